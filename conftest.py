@@ -1,0 +1,36 @@
+"""Fixtures shared by every test folder of the workspace."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def ec_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog wired to our loggers.
+
+    They live under vLLM's `vllm` logger, which does not propagate to the
+    root logger that caplog listens on, so the handler is attached directly.
+    """
+    logger = logging.getLogger("vllm.ec_cpu")
+    logger.addHandler(caplog.handler)
+    previous = logger.level, logger.propagate
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # caplog's root handler would count each record twice
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(previous[0])
+        logger.propagate = previous[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding only the tiny BLIP-2's config.json (no weights)."""
+    from ectools.tiny_blip2 import write_config_only
+
+    return str(write_config_only(tmp_path_factory.mktemp("tiny-blip2-config")))

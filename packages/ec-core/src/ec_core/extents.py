@@ -1,0 +1,120 @@
+"""Free space of a block pool, kept as maximal runs of consecutive blocks.
+
+Every operation is O(log e) in the number `e` of free runs, never in the
+number of blocks: a run of a million blocks costs the same as a run of one.
+"""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedList
+
+Run = tuple[int, int]
+"""`(first_block, num_blocks)`: a contiguous span, `num_blocks >= 1`."""
+
+
+class FreeExtents:
+    """The free blocks of a pool `[0, num_blocks)` as disjoint, maximal runs.
+
+    Invariants (checked by `check()` in tests): runs never overlap or touch
+    (adjacent runs are always merged), `total` is the sum of their lengths,
+    and the three indexes describe the same set of runs.
+    """
+
+    __slots__ = ("_by_end", "_by_size", "_by_start", "total")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: SortedList = SortedList()
+        self.total = 0
+        if num_blocks > 0:
+            self._insert(0, num_blocks)
+
+    def __len__(self) -> int:
+        """The number of free runs."""
+        return len(self._by_start)
+
+    def largest(self) -> int:
+        """The length of the longest free run (0 when nothing is free)."""
+        return int(self._by_size[-1][0]) if self._by_size else 0
+
+    def runs(self) -> list[Run]:
+        """All free runs in address order (for tests and diagnostics)."""
+        return sorted(self._by_start.items())
+
+    def release(self, start: int, length: int) -> None:
+        """Return `[start, start + length)` to the pool, merging neighbours."""
+        if length <= 0:
+            return
+        end = start + length
+        before = self._by_end.get(start)
+        if before is not None:
+            length += start - before
+            self._remove(before)
+            start = before
+        after_len = self._by_start.get(end)
+        if after_len is not None:
+            self._remove(end)
+            length += after_len
+        self._insert(start, length)
+
+    def take_contiguous(self, n: int) -> Run | None:
+        """Carve `n` blocks from the smallest free run that holds them.
+
+        Best fit keeps long runs intact for long entries. Returns None when no
+        single run is long enough (the caller may then use `take_scattered`).
+        """
+        if n <= 0 or not self._by_size:
+            return None
+        index = self._by_size.bisect_left((n, -1))
+        if index == len(self._by_size):
+            return None
+        length, start = self._by_size[index]
+        self._remove(start)
+        if length > n:
+            self._insert(start + n, length - n)
+        return (start, n)
+
+    def take_scattered(self, n: int) -> list[Run]:
+        """Carve `n` blocks from the longest runs, fewest pieces first.
+
+        The caller guarantees `n <= total`. Runs come back in address order.
+        """
+        if n > self.total:
+            raise ValueError(f"asked for {n} blocks but only {self.total} are free")
+        taken: list[Run] = []
+        while n > 0:
+            length, start = self._by_size[-1]
+            use = min(length, n)
+            self._remove(start)
+            if length > use:
+                self._insert(start + use, length - use)
+            taken.append((start, use))
+            n -= use
+        taken.sort()
+        return taken
+
+    def check(self) -> None:
+        """Raise AssertionError if the indexes disagree (test helper)."""
+        runs = sorted(self._by_start.items())
+        assert len(runs) == len(self._by_end) == len(self._by_size)
+        assert self.total == sum(length for _, length in runs)
+        previous_end = -1
+        for start, length in runs:
+            assert length > 0
+            assert start > previous_end, "free runs overlap or touch"
+            assert self._by_end[start + length] == start
+            assert (length, start) in self._by_size
+            previous_end = start + length
+
+    def _insert(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        self._by_size.add((length, start))
+        self.total += length
+
+    def _remove(self, start: int) -> None:
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        self._by_size.remove((length, start))
+        self.total -= length

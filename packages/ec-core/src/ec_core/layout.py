@@ -1,0 +1,93 @@
+"""How a vLLM config maps onto a region: identity, block size, block count.
+
+The scheduler needs only the geometry (it never maps the region); workers
+also open the region. Both derive it here from the same config, so they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ec_core.region import ECSharedRegion
+from ec_core.settings import ECCPUSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """One engine's region geometry and settings, derived from its config.
+
+    Guarantees: `block_size_bytes` is one LM input-embedding row of the model
+    dtype; `num_blocks = settings.cpu_bytes // block_size_bytes >= 1` (the
+    remainder is unused); `engine_id` is `<instance_id>_dp<rank>`.
+    """
+
+    engine_id: str
+    owner: str
+    dtype: torch.dtype
+    embed_width: int
+    block_size_bytes: int
+    num_blocks: int
+    settings: ECCPUSettings
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size_bytes
+
+    def blocks_for(self, rows: int, cols: int, itemsize: int) -> int:
+        """Blocks needed to hold a `(rows, cols)` tensor of `itemsize` bytes."""
+        return -(-rows * cols * itemsize // self.block_size_bytes)
+
+
+def region_layout(vllm_config: VllmConfig) -> RegionLayout:
+    """Derive and validate the region layout; raise ValueError on bad settings."""
+    ec_config = vllm_config.ec_transfer_config
+    if ec_config is None:
+        raise ValueError("the EC CPU tier needs an ec_transfer_config")
+    model_config = vllm_config.model_config
+    if model_config is None:
+        raise ValueError("the EC CPU tier needs a model_config")
+    dtype = model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")
+    embed_width = int(model_config.get_inputs_embeds_size())
+    block_size_bytes = embed_width * dtype.itemsize
+    settings = ECCPUSettings.from_extra_config(
+        ec_config.ec_connector_extra_config, block_size_bytes=block_size_bytes
+    )
+    dp_index = vllm_config.parallel_config.data_parallel_index
+    return RegionLayout(
+        engine_id=f"{vllm_config.instance_id}_dp{dp_index}",
+        owner=str(ec_config.engine_id or ""),
+        dtype=dtype,
+        embed_width=embed_width,
+        block_size_bytes=block_size_bytes,
+        num_blocks=settings.cpu_bytes // block_size_bytes,
+        settings=settings,
+    )
+
+
+def open_region(layout: RegionLayout) -> ECSharedRegion:
+    """Create or join the region `layout` describes."""
+    return ECSharedRegion(
+        layout.engine_id,
+        layout.num_blocks,
+        layout.block_size_bytes,
+        directory=layout.settings.region_dir,
+        open_timeout_s=layout.settings.open_timeout_s,
+        owner=layout.owner,
+    )
+
+
+def create_ec_shared_region(vllm_config: VllmConfig) -> ECSharedRegion:
+    """Build the engine's shared region from `vllm_config` (the seed's factory).
+
+    Every process of one engine computes the same identity and geometry, so
+    the first caller creates the file and the others join it.
+    """
+    return open_region(region_layout(vllm_config))

