@@ -197,3 +197,48 @@ def test_unknown_keys_warn_once_naming_them(ec_log: pytest.LogCaptureFixture) ->
 def test_known_keys_do_not_warn(ec_log: pytest.LogCaptureFixture) -> None:
     ECCPUSettings.from_extra_config({"ec_cpu_bytes": 4096}, block_size_bytes=BLOCK)
     assert not [r for r in ec_log.records if r.levelno >= logging.WARNING]
+
+
+def test_report_bounds_and_policy() -> None:
+    settings = ECCPUSettings.from_extra_config(
+        {
+            "ec_cpu_bytes": 4096,
+            "ec_report_timeout_steps": "10",
+            "ec_report_timeout_s": 0,
+            "ec_eviction_policy": " LRU ",
+        },
+        block_size_bytes=BLOCK,
+    )
+    assert settings.report_timeout_steps == 10
+    assert settings.report_timeout_s == 0
+    assert settings.policy == "lru"
+    defaults = ECCPUSettings.from_extra_config({"ec_cpu_bytes": 4096}, block_size_bytes=BLOCK)
+    assert defaults.report_timeout_steps > 0 and defaults.report_timeout_s > 0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("ec_report_timeout_steps", -1, "whole number >= 0"),
+        ("ec_report_timeout_steps", 2.5, "whole number >= 0"),
+        ("ec_report_timeout_steps", True, "whole number"),
+        ("ec_report_timeout_steps", "many", "whole number >= 0"),
+        ("ec_report_timeout_s", -1, "non-negative"),
+        ("ec_report_timeout_s", math.nan, "non-negative"),
+        ("ec_report_timeout_s", "later", "number of seconds"),
+        ("ec_eviction_policy", "random", "expected one of"),
+        ("ec_eviction_policy", 3, "expected one of"),
+    ],
+)
+def test_malformed_bounds_and_policy(key: str, value: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason) as info:
+        ECCPUSettings.from_extra_config({"ec_cpu_bytes": 4096, key: value}, block_size_bytes=BLOCK)
+    assert f"['{key}']" in str(info.value)
+
+
+def test_both_report_bounds_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot both be 0"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_report_timeout_steps": 0, "ec_report_timeout_s": 0},
+            block_size_bytes=BLOCK,
+        )

@@ -61,3 +61,41 @@ class ECCPUWorkerMetadata(ECConnectorWorkerMetadata):
         self.completed_saves.extend(other.completed_saves)
         self.completed_loads.extend(other.completed_loads)
         return self
+
+
+@dataclass
+class ECCPUWorkerReport(ECCPUWorkerMetadata):
+    """What this project's workers send: the seed's report plus who sent it.
+
+    The seed fields keep their meaning (and stay correct for any consumer of
+    the seed type). The extra fields let the scheduler count ranks exactly:
+
+    * `reporters`: the rank of every worker folded into this report, once
+      per worker. A worker sends a report every step it runs the connector,
+      even an empty one, so one aggregated report names every participating
+      rank (vLLM's multiprocess executor folds all ranks; single-output
+      executors deliver one rank).
+    * `load_acks`: `(rank, transfer_id)` per finished load, so a repeated
+      report from one rank is never counted as another rank's.
+    * `failed_saves` / `failed_loads`: copies a worker could not perform; the
+      scheduler drops a failed save's entry and releases a failed load's pin.
+    """
+
+    reporters: list[int] = field(default_factory=list)
+    load_acks: list[tuple[int, int]] = field(default_factory=list)
+    failed_saves: list[str] = field(default_factory=list)
+    failed_loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        """Concatenate every list of `other` onto this report; return self.
+
+        A plain ECCPUWorkerMetadata contributes its seed lists only; any other
+        type raises TypeError (see the base class).
+        """
+        super().aggregate(other)
+        if isinstance(other, ECCPUWorkerReport):
+            self.reporters.extend(other.reporters)
+            self.load_acks.extend(other.load_acks)
+            self.failed_saves.extend(other.failed_saves)
+            self.failed_loads.extend(other.failed_loads)
+        return self

@@ -66,3 +66,11 @@ class LRUPolicy:
 
 POLICIES: dict[str, type[LRUPolicy]] = {LRUPolicy.name: LRUPolicy}
 """Policies by the name users give in the config."""
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy object for a configured policy name."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None

@@ -14,22 +14,40 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ec_core._vllm import get_logger
+from ec_core.policy import POLICIES
 from ec_core.sizes import SizeError, format_bytes, parse_byte_size
 
 logger = get_logger(__name__)
 
+POLICY_NAMES: tuple[str, ...] = tuple(sorted(POLICIES))
+
 KEY_CPU_BYTES = "ec_cpu_bytes"
 KEY_REGION_DIR = "ec_cpu_dir"
 KEY_OPEN_TIMEOUT = "ec_region_open_timeout_s"
+KEY_REPORT_TIMEOUT_STEPS = "ec_report_timeout_steps"
+KEY_REPORT_TIMEOUT_S = "ec_report_timeout_s"
+KEY_POLICY = "ec_eviction_policy"
 
 DEFAULT_REGION_DIR = Path("/dev/shm")
 DEFAULT_OPEN_TIMEOUT_S = 120.0
+DEFAULT_REPORT_TIMEOUT_STEPS = 64
+DEFAULT_REPORT_TIMEOUT_S = 30.0
+DEFAULT_POLICY = "lru"
 
 # Keys other parts of vLLM's EC connector family use; passing them to this
 # connector is harmless, so they are not reported as unknown.
 _TOLERATED_FOREIGN_KEYS = frozenset({"ec_enable_nixl", "consumer_ack_timeout_s"})
 
-KNOWN_KEYS: frozenset[str] = frozenset({KEY_CPU_BYTES, KEY_REGION_DIR, KEY_OPEN_TIMEOUT})
+KNOWN_KEYS: frozenset[str] = frozenset(
+    {
+        KEY_CPU_BYTES,
+        KEY_REGION_DIR,
+        KEY_OPEN_TIMEOUT,
+        KEY_REPORT_TIMEOUT_STEPS,
+        KEY_REPORT_TIMEOUT_S,
+        KEY_POLICY,
+    }
+)
 
 
 def _invalid(key: str, value: object, reason: str) -> ValueError:
@@ -42,12 +60,22 @@ class ECCPUSettings:
 
     Guarantees: `cpu_bytes` is a whole number of bytes holding at least one
     block; `region_dir` is an absolute path to an existing, writable
-    directory; `open_timeout_s` is finite and positive.
+    directory; `open_timeout_s` is finite and positive; the report timeouts
+    are finite, non-negative and not both zero; `policy` names a known policy.
+
+    A save or load whose report has not arrived is reclaimed once it is older
+    than `report_timeout_steps` engine steps that reached the workers AND
+    older than `report_timeout_s` seconds (0 switches a dimension off). Both
+    must pass, so a long idle period alone (no steps) or a burst of fast
+    steps alone (little time) never reclaims a copy that is merely late.
     """
 
     cpu_bytes: int
     region_dir: Path = DEFAULT_REGION_DIR
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
+    report_timeout_steps: int = DEFAULT_REPORT_TIMEOUT_STEPS
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
+    policy: str = DEFAULT_POLICY
 
     @classmethod
     def from_extra_config(
@@ -82,10 +110,34 @@ class ECCPUSettings:
             )
 
         region_dir = _parse_dir(extra.get(KEY_REGION_DIR, DEFAULT_REGION_DIR))
-        open_timeout = _parse_positive_seconds(
-            KEY_OPEN_TIMEOUT, extra.get(KEY_OPEN_TIMEOUT, DEFAULT_OPEN_TIMEOUT_S)
+        open_timeout = _parse_seconds(
+            KEY_OPEN_TIMEOUT, extra.get(KEY_OPEN_TIMEOUT, DEFAULT_OPEN_TIMEOUT_S), allow_zero=False
         )
-        return cls(cpu_bytes=cpu_bytes, region_dir=region_dir, open_timeout_s=open_timeout)
+        timeout_steps = _parse_count(
+            KEY_REPORT_TIMEOUT_STEPS,
+            extra.get(KEY_REPORT_TIMEOUT_STEPS, DEFAULT_REPORT_TIMEOUT_STEPS),
+        )
+        timeout_s = _parse_seconds(
+            KEY_REPORT_TIMEOUT_S,
+            extra.get(KEY_REPORT_TIMEOUT_S, DEFAULT_REPORT_TIMEOUT_S),
+            allow_zero=True,
+        )
+        if timeout_steps == 0 and timeout_s == 0:
+            raise _invalid(
+                KEY_REPORT_TIMEOUT_S,
+                extra.get(KEY_REPORT_TIMEOUT_S),
+                f"{KEY_REPORT_TIMEOUT_STEPS} and {KEY_REPORT_TIMEOUT_S} cannot both be 0: "
+                "every copy would be reclaimed before its report could arrive",
+            )
+        policy = _parse_choice(KEY_POLICY, extra.get(KEY_POLICY, DEFAULT_POLICY), POLICY_NAMES)
+        return cls(
+            cpu_bytes=cpu_bytes,
+            region_dir=region_dir,
+            open_timeout_s=open_timeout,
+            report_timeout_steps=timeout_steps,
+            report_timeout_s=timeout_s,
+            policy=policy,
+        )
 
     def describe(self) -> str:
         """A one-line summary for start-up logs."""
@@ -118,13 +170,32 @@ def _parse_dir(raw: object) -> Path:
     return path
 
 
-def _parse_positive_seconds(key: str, raw: object) -> float:
+def _parse_seconds(key: str, raw: object, *, allow_zero: bool) -> float:
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise _invalid(key, raw, "expected a number of seconds")
     try:
         seconds = float(raw)
     except ValueError:
         raise _invalid(key, raw, "expected a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise _invalid(key, raw, "expected a finite, positive number of seconds")
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise _invalid(key, raw, f"expected a finite, {bound} number of seconds")
     return seconds
+
+
+def _parse_count(key: str, raw: object) -> int:
+    if isinstance(raw, bool):
+        raise _invalid(key, raw, "expected a whole number")
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)
+    if isinstance(raw, str) and raw.strip().isdigit():
+        raw = int(raw)
+    if not isinstance(raw, int) or raw < 0:
+        raise _invalid(key, raw, "expected a whole number >= 0")
+    return raw
+
+
+def _parse_choice(key: str, raw: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(raw, str) or raw.strip().lower() not in choices:
+        raise _invalid(key, raw, f"expected one of {', '.join(choices)}")
+    return raw.strip().lower()

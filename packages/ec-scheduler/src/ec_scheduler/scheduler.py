@@ -1,0 +1,415 @@
+"""ECCPUScheduler: the scheduler-process half of the EC CPU tier.
+
+It owns every decision: which encoder outputs to save into the region, which
+entries to load back, when a copy has landed, and what to evict. It never maps
+the region (it needs only the geometry) and never imports device code.
+
+One engine step, in vLLM's call order:
+
+1. `ensure_cache_available(request)` — drops entries whose stored shape no
+   longer matches the request's item (a reused UUID with new content).
+2. `has_cache_item(h)` — True only for a ready entry on a consumer; the entry
+   is pinned on the spot (a *promise*), so nothing allocated later in the same
+   step (a save of another item of the same request included) can evict it.
+3. `update_state_after_alloc(request, i)` — a promised item becomes a load
+   (the promise's pin is handed to the load, a fresh transfer id is minted); a
+   computed item on a producer gets blocks for a save.
+4. `build_connector_meta()` — hands the step's saves and loads to the workers,
+   releases promises vLLM did not take up, and reclaims overdue copies.
+5. `update_connector_output()` — saves become ready, a load's pin is released
+   once every participating rank acknowledged its transfer id.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ec_core._vllm import get_logger
+from ec_core.allocator import BlockAllocator, Entry
+from ec_core.layout import RegionLayout, region_layout
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
+from ec_core.policy import make_policy
+from ec_core.sizes import format_bytes
+from ec_scheduler.counters import SchedulerCounters
+from ec_scheduler.flights import Flights, LoadFlight, ReportBound, SaveFlight
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+class ECCPUScheduler:
+    """Bookkeeping and per-step decisions for one engine's region.
+
+    Guarantees:
+      * a lookup that answered True is loaded in that step, or its pin is
+        released at the end of the step; it is never evicted in between;
+      * a loaded entry's blocks are not reused until every participating rank
+        has acknowledged the load (or the load was reclaimed as lost);
+      * no item can crash `schedule()`: items that cannot be saved (too large,
+        empty, unmeasured modality, region full) are skipped;
+      * no copy is held forever: an unreported one is reclaimed after the
+        configured bound, with a warning;
+      * per-step work is proportional to the step's items and landed copies,
+        never to the region's blocks or the number of cached entries.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, layout: RegionLayout | None = None) -> None:
+        ec_config = vllm_config.ec_transfer_config
+        if ec_config is None:
+            raise ValueError("ECCPUScheduler needs an ec_transfer_config")
+        self.layout = layout if layout is not None else region_layout(vllm_config)
+        settings = self.layout.settings
+        self.is_producer = bool(ec_config.is_ec_producer)
+        self.is_consumer = bool(ec_config.is_ec_consumer)
+        self._widths: dict[str, int] = dict(ec_config.mm_encoder_output_widths)
+        self._itemsize = self.layout.dtype.itemsize
+        self.counters = SchedulerCounters()
+        self.allocator = BlockAllocator(
+            self.layout.num_blocks, make_policy(settings.policy), on_evict=self._on_evict
+        )
+        self.flights = Flights(
+            ReportBound(settings.report_timeout_steps, settings.report_timeout_s)
+        )
+
+        # Only V2 calls the worker connector on steps without tokens; on V1 such
+        # steps never reach the workers, so there is no point keeping the engine
+        # stepping to collect reports (they come with the next real step).
+        self._empty_steps_reach_workers = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        self._encode_only = self.is_producer and not self.is_consumer
+
+        self._pending_saves: dict[str, list[int]] = {}
+        self._pending_loads: dict[str, tuple[int, list[int], tuple[int, int]]] = {}
+        self._promised: set[str] = set()
+        self._stale: set[str] = set()
+        self._quarantine: dict[str, int] = {}
+        self._worker_step = 0
+        self._next_tid = 0
+        self._participants = 1
+        self._warned: set[str] = set()
+        self._shut_down = False
+
+        if self.is_consumer and not self.is_producer:
+            logger.warning(
+                "EC CPU tier role ec_consumer: this engine never saves, and its region "
+                "belongs to this engine alone, so nothing will ever be loaded. Use "
+                "ec_both for a local CPU tier."
+            )
+        logger.info(
+            "EC CPU tier scheduler: role=%s, %d blocks x %d bytes (%s), policy=%s, "
+            "report bound=%d steps and %.1f s",
+            ec_config.ec_role,
+            self.layout.num_blocks,
+            self.layout.block_size_bytes,
+            format_bytes(self.layout.nbytes),
+            settings.policy,
+            settings.report_timeout_steps,
+            settings.report_timeout_s,
+        )
+
+    # ------------------------------------------------------------ lookups
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """True iff a ready entry exists on a consumer; pins it for this step."""
+        if not self.is_consumer:
+            return False
+        if identifier in self._promised or identifier in self._pending_loads:
+            return True
+        self.counters.lookups += 1
+        entry = self.allocator.get(identifier)
+        if entry is None or not entry.ready or identifier in self._stale:
+            return False
+        # The promise: pinned now, so an allocation later in this step cannot
+        # evict it before update_state_after_alloc dispatches the load.
+        self.allocator.pin(identifier)
+        self._promised.add(identifier)
+        self.counters.hits += 1
+        return True
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Never defers a request; drops entries that no longer fit their item.
+
+        vLLM calls this for a request before looking up its items, so an entry
+        whose stored row count differs from the item's embedding count (a
+        client UUID reused for other content) is removed here, and the item is
+        a miss instead of a silently wrong load.
+        """
+        if not self.is_consumer:
+            return True
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # already consumed by the model; will not be looked up
+            entry = self.allocator.get(feature.identifier)
+            if entry is None or not entry.ready or entry.shape is None:
+                continue
+            rows = position.get_num_embeds()
+            if entry.shape[0] != rows:
+                self._retire_stale(entry, rows, request.request_id)
+        return True
+
+    def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
+        logger.warning(
+            "EC CPU tier: entry %s holds %d rows but request %s needs %d for that "
+            "item (reused multimodal UUID?); dropping it and encoding again",
+            entry.key,
+            entry.shape[0] if entry.shape else -1,
+            request_id,
+            rows,
+        )
+        self.counters.stale_dropped += 1
+        if entry.evictable:
+            self.allocator.drop(entry.key)
+        else:
+            # Pinned by a load in flight: never promise it again, drop it when
+            # the last pin goes.
+            self._stale.add(entry.key)
+
+    # --------------------------------------------------------- allocation
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """Turn a promised item into a load, or give a computed item a save."""
+        if self._shut_down:
+            return
+        feature = request.mm_features[index]
+        key = feature.identifier
+        if key in self._pending_loads:
+            return  # the same item of another request in this step: one load serves both
+        if key in self._promised:
+            self._dispatch_load(key)
+            return
+        if self.is_producer and key not in self.allocator:
+            self._allocate_save(feature)
+
+    def _dispatch_load(self, key: str) -> None:
+        entry = self.allocator.get(key)
+        assert entry is not None and entry.shape is not None, "a promised entry is pinned"
+        self._promised.discard(key)  # its pin now belongs to the load
+        tid = self._next_tid
+        self._next_tid += 1
+        self._pending_loads[key] = (tid, entry.block_ids, entry.shape)
+        self.counters.loads_dispatched += 1
+        self.counters.load_rows += entry.shape[0]
+
+    def _allocate_save(self, feature: MultiModalFeatureSpec) -> None:
+        key = feature.identifier
+        if key in self._quarantine:
+            if self._quarantine[key] > self._worker_step:
+                return  # a lost save of this key may still report; do not reuse the key yet
+            del self._quarantine[key]
+        width = self._widths.get(feature.modality)
+        if width is None:
+            self.counters.saves_skipped_unmeasured += 1
+            self._warn_once(
+                f"unmeasured:{feature.modality}",
+                "EC CPU tier: no encoder output width was measured for modality %r "
+                "(measured: %s); its items are not saved",
+                feature.modality,
+                sorted(self._widths),
+            )
+            return
+        rows = feature.mm_position.get_num_embeds()
+        if rows <= 0:
+            self.counters.saves_skipped_empty += 1
+            self._warn_once(
+                f"empty:{feature.modality}",
+                "EC CPU tier: a %s item with no embeddings is not saved",
+                feature.modality,
+            )
+            return
+        blocks = self.layout.blocks_for(rows, width, self._itemsize)
+        if blocks > self.layout.num_blocks:
+            self.counters.saves_skipped_oversize += 1
+            self._warn_once(
+                f"oversize:{feature.modality}",
+                "EC CPU tier: a %s item of %d x %d needs %d blocks but the region has "
+                "%d; such items are not saved (raise ec_cpu_bytes to keep them)",
+                feature.modality,
+                rows,
+                width,
+                blocks,
+                self.layout.num_blocks,
+            )
+            return
+        entry = self.allocator.alloc(key, blocks, (rows, width))
+        if entry is None:
+            self.counters.saves_skipped_full += 1
+            return
+        self._pending_saves[key] = entry.block_ids
+        self.counters.saves_dispatched += 1
+        self.counters.save_rows += rows
+
+    # ---------------------------------------------------------- step edge
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
+        """Hand this step's saves and loads to the workers and reset them."""
+        if self._reaches_workers(scheduler_output):
+            self._worker_step += 1
+        for key in self._promised:
+            self._release_pin(key)  # vLLM looked it up but did not schedule it
+        self._promised.clear()
+        meta = ECCPUConnectorMetadata(saves=self._pending_saves, loads=self._pending_loads)
+        for key in meta.saves:
+            self.flights.start_save(key, self._worker_step)
+        for key, (tid, _, _) in meta.loads.items():
+            self.flights.start_load(key, tid, self._worker_step)
+        self._pending_saves = {}
+        self._pending_loads = {}
+        self._reclaim_overdue()
+        return meta
+
+    def _reaches_workers(self, scheduler_output: SchedulerOutput) -> bool:
+        return (
+            self._empty_steps_reach_workers
+            or self._encode_only
+            or scheduler_output.total_num_scheduled_tokens > 0
+        )
+
+    def _reclaim_overdue(self) -> None:
+        for flight in self.flights.expired(self._worker_step):
+            if isinstance(flight, SaveFlight):
+                self._reclaim_save(flight)
+            else:
+                self._reclaim_load(flight)
+
+    def _reclaim_save(self, flight: SaveFlight) -> None:
+        entry = self.allocator.get(flight.key)
+        if entry is not None and not entry.ready:
+            self.allocator.discard(flight.key)
+        # A late report for the lost save must not make a later save of the same
+        # key look ready: keep the key out of new saves for one more bound.
+        self._quarantine[flight.key] = self._worker_step + self.flights.bound.steps + 1
+        self.counters.saves_reclaimed += 1
+        logger.warning(
+            "EC CPU tier: the save of %s was not reported within %d steps and %.1f s; "
+            "its blocks are reclaimed",
+            flight.key,
+            self.flights.bound.steps,
+            self.flights.bound.seconds,
+        )
+
+    def _reclaim_load(self, flight: LoadFlight) -> None:
+        self._release_pin(flight.key)
+        self.counters.loads_reclaimed += 1
+        logger.warning(
+            "EC CPU tier: load %d of %s was acknowledged by %d of %d ranks within %d "
+            "steps and %.1f s; its pin is released",
+            flight.tid,
+            flight.key,
+            flight.reports(),
+            self._participants,
+            self.flights.bound.steps,
+            self.flights.bound.seconds,
+        )
+
+    # ------------------------------------------------------------ reports
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """Apply the workers' reports; unknown or repeated ones are ignored."""
+        report = connector_output.ec_connector_worker_meta
+        if not isinstance(report, ECCPUWorkerMetadata) or self._shut_down:
+            return
+        if isinstance(report, ECCPUWorkerReport):
+            if report.reporters:
+                self._participants = max(self._participants, len(set(report.reporters)))
+            for key in report.completed_saves:
+                self._finish_save(key, ok=True)
+            for key in report.failed_saves:
+                self._finish_save(key, ok=False)
+            for rank, tid in report.load_acks:
+                self._ack_load(tid, rank, ok=True)
+            for rank, tid in report.failed_loads:
+                self._ack_load(tid, rank, ok=False)
+        else:
+            # A report without rank information (the plain seed type): each
+            # occurrence of a transfer id counts as one rank.
+            for key in report.completed_saves:
+                self._finish_save(key, ok=True)
+            for tid in report.completed_loads:
+                self._ack_load(tid, None, ok=True)
+
+    def _finish_save(self, key: str, *, ok: bool) -> None:
+        flight = self.flights.saves.pop(key, None)
+        if flight is None:
+            self.counters.reports_ignored += 1
+            logger.debug("EC CPU tier: ignoring a save report for %s (not in flight)", key)
+            return
+        entry = self.allocator.get(key)
+        if entry is None or entry.ready:
+            self.counters.reports_ignored += 1
+            return
+        if ok:
+            self.allocator.mark_ready(key)
+            self.counters.saves_completed += 1
+        else:
+            self.allocator.discard(key)
+            self.counters.saves_failed += 1
+
+    def _ack_load(self, tid: int, rank: int | None, *, ok: bool) -> None:
+        flight = self.flights.loads.get(tid)
+        if flight is None or (rank is not None and rank in flight.acked):
+            self.counters.reports_ignored += 1
+            return
+        if rank is None:
+            flight.anonymous_acks += 1
+        else:
+            flight.acked.add(rank)
+        if not ok:
+            self.counters.loads_failed += 1
+            self._stale.add(flight.key)  # its bytes could not be read; never promise it again
+        if flight.reports() < self._participants:
+            return
+        # Remove the record before releasing the pin: a replayed report then
+        # finds nothing and cannot release a later load's pin.
+        del self.flights.loads[tid]
+        self._release_pin(flight.key)
+        if ok:
+            self.counters.loads_completed += 1
+
+    def _release_pin(self, key: str) -> None:
+        entry = self.allocator.unpin(key)
+        if entry.pins == 0 and key in self._stale:
+            self._stale.discard(key)
+            self.allocator.drop(key)
+
+    # ------------------------------------------------------- misc. hooks
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing is sent asynchronously per request: never delay freeing."""
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """True while a copy is in flight and empty steps can collect its report.
+
+        A pure query (vLLM asks several times per iteration). On the V1 runner
+        empty steps never reach the workers, so it stays False there: the
+        engine may idle and the report arrives with the next real step.
+        """
+        return self._empty_steps_reach_workers and bool(self.flights)
+
+    def _on_evict(self, entry: Entry) -> None:
+        self.counters.evictions += 1
+        self.counters.evicted_blocks += entry.num_blocks
+
+    def _warn_once(self, tag: str, message: str, *args: object) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            logger.warning(message, *args)
+
+    def shutdown(self) -> None:
+        """Forget all state and stop answering hits. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.is_producer = self.is_consumer = False
+        self._pending_saves = {}
+        self._pending_loads = {}
+        self._promised.clear()
+        self._stale.clear()
+        self.flights.clear()
+        self.allocator.clear()

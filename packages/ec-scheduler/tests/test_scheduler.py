@@ -1,0 +1,474 @@
+"""ECCPUScheduler driven with real vLLM requests, outputs and configs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+import pytest
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
+
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
+from ec_scheduler import ECCPUScheduler
+from ectools.driving import (
+    Item,
+    SimulatedRanks,
+    StepDriver,
+    connector_output,
+    make_request,
+    scheduler_output,
+)
+
+H = "a" * 64
+WIDTH = 128  # the tiny BLIP-2's embedding width (see conftest)
+SchedulerFactory = Callable[..., ECCPUScheduler]
+
+
+def _save_and_report(scheduler: ECCPUScheduler, *items: Item, ranks: int = 1) -> None:
+    result = StepDriver(scheduler).step([make_request("warm", items)])
+    scheduler.update_connector_output(connector_output(SimulatedRanks(ranks).report(result.meta)))
+
+
+def test_offload_then_reuse_cycle(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    driver = StepDriver(scheduler)
+    first = driver.step([make_request("r1", [Item(H)])])
+    assert first.looked_up == {H: False}
+    assert list(first.meta.saves) == [H]
+    assert first.meta.loads == {}
+    saved_blocks = first.meta.saves[H]
+    assert saved_blocks == list(range(8))  # 8 rows x 128 fp32 = 8 blocks, one run
+    assert not scheduler.has_cache_item(H), "not ready until the save is reported"
+    scheduler.build_connector_meta(scheduler_output())  # release that lookup's nothing
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(first.meta)))
+
+    second = driver.step([make_request("r2", [Item(H)])])
+    assert second.looked_up == {H: True}
+    assert second.meta.saves == {}
+    tid, blocks, shape = second.meta.loads[H]
+    assert blocks == saved_blocks
+    assert shape == (8, WIDTH)
+    assert isinstance(tid, int)
+    assert scheduler.counters.hits == 1
+    assert scheduler.counters.saves_completed == 1
+
+
+def test_build_connector_meta_resets_per_step_state(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    assert isinstance(meta, ECCPUConnectorMetadata)
+    again = scheduler.build_connector_meta(scheduler_output())
+    assert again.saves == {} and again.loads == {}
+    assert again is not meta
+
+
+def test_keyed_on_identifier_not_mm_hash(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    lora_key = f"lora-7:{H}"
+    _save_and_report(scheduler, Item(lora_key))
+    assert scheduler.has_cache_item(lora_key)
+    assert not scheduler.has_cache_item(H)
+
+
+def test_multiple_items_per_request_and_repeats_in_one_step(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item("x"), Item("y"))
+    result = StepDriver(scheduler).step(
+        [make_request("r1", [Item("x"), Item("y")]), make_request("r2", [Item("x")])]
+    )
+    assert set(result.meta.loads) == {"x", "y"}
+    tids = [tid for tid, _, _ in result.meta.loads.values()]
+    assert len(set(tids)) == 2
+    # Looking the same item up again in the same step does not pin it twice.
+    assert scheduler.allocator.get("x").pins == 1  # type: ignore[union-attr]
+
+
+def test_each_dispatch_mints_a_new_transfer_id(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
+    driver = StepDriver(scheduler)
+    first = driver.step([make_request("a", [Item(H)])]).meta
+    second = driver.step([make_request("b", [Item(H)])]).meta
+    tid1, tid2 = first.loads[H][0], second.loads[H][0]
+    assert tid1 != tid2
+    assert scheduler.allocator.get(H).pins == 2  # type: ignore[union-attr]
+    # A late or replayed report of the first load releases only the first pin.
+    ranks = SimulatedRanks()
+    scheduler.update_connector_output(connector_output(ranks.report(first)))
+    scheduler.update_connector_output(connector_output(ranks.report(first)))
+    assert scheduler.allocator.get(H).pins == 1  # type: ignore[union-attr]
+    assert scheduler.counters.reports_ignored == 1
+    scheduler.update_connector_output(connector_output(ranks.report(second)))
+    assert scheduler.allocator.get(H).pins == 0  # type: ignore[union-attr]
+
+
+def test_roles(make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture) -> None:
+    producer = make_scheduler(role="ec_producer")
+    _save_and_report(producer, Item(H))
+    assert not producer.has_cache_item(H), "a producer never loads"
+    result = StepDriver(producer).step([make_request("r", [Item(H)])])
+    assert result.meta.loads == {} and result.meta.saves == {}
+
+    consumer = make_scheduler(role="ec_consumer")
+    assert any("ec_consumer" in r.getMessage() for r in ec_log.records)
+    result = StepDriver(consumer).step([make_request("r", [Item(H)])])
+    assert result.meta.saves == {}, "a consumer never saves"
+    assert not consumer.has_cache_item(H)
+    assert consumer.ensure_cache_available(make_request("r", [Item(H)]), 0)
+
+
+def test_tp_reports_are_counted_per_rank(make_scheduler: SchedulerFactory) -> None:
+    for ranks in (1, 2, 4):
+        scheduler = make_scheduler()
+        sim = SimulatedRanks(ranks)
+        _save_and_report(scheduler, Item(H), ranks=ranks)
+        meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+        entry = scheduler.allocator.get(H)
+        assert entry is not None
+        for rank in range(ranks):
+            assert entry.pins == 1, f"released after {rank} of {ranks} ranks"
+            report = sim.report(meta, ranks=[rank])
+            report.reporters = list(range(ranks))  # every rank sends a (possibly empty) report
+            scheduler.update_connector_output(connector_output(report))
+            # The same rank reporting again is not another rank.
+            scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[rank])))
+        assert entry.pins == 0
+        assert scheduler.counters.loads_completed == 1
+
+
+def test_reports_out_of_order_and_interleaved(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    sim = SimulatedRanks(2)
+    _save_and_report(scheduler, Item("a"), Item("b"), ranks=2)
+    driver = StepDriver(scheduler)
+    m1 = driver.step([make_request("1", [Item("a")])]).meta
+    m2 = driver.step([make_request("2", [Item("b")])]).meta
+    scheduler.update_connector_output(connector_output(sim.report(m2, ranks=[1])))
+    scheduler.update_connector_output(connector_output(sim.report(m1, ranks=[0])))
+    scheduler.update_connector_output(connector_output(sim.report(m2, ranks=[0])))
+    assert scheduler.allocator.get("b").pins == 0  # type: ignore[union-attr]
+    assert scheduler.allocator.get("a").pins == 1  # type: ignore[union-attr]
+    scheduler.update_connector_output(connector_output(sim.report(m1, ranks=[1])))
+    assert scheduler.allocator.get("a").pins == 0  # type: ignore[union-attr]
+
+
+def test_plain_seed_metadata_counts_occurrences(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H), ranks=2)
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    tid = meta.loads[H][0]
+    scheduler.update_connector_output(connector_output(ECCPUWorkerMetadata([], [tid])))
+    assert scheduler.allocator.get(H).pins == 1  # type: ignore[union-attr]
+    scheduler.update_connector_output(connector_output(ECCPUWorkerMetadata([], [tid])))
+    assert scheduler.allocator.get(H).pins == 0  # type: ignore[union-attr]
+
+
+def test_async_scheduling_next_step_before_previous_output(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler()
+    sim = SimulatedRanks()
+    driver = StepDriver(scheduler)
+    step1 = driver.step([make_request("1", [Item("a")])]).meta
+    # Step 2 is scheduled before step 1's output: "a" is not ready, so no load,
+    # and it is not saved twice.
+    step2 = driver.step([make_request("2", [Item("a"), Item("b")])]).meta
+    assert step2.loads == {} and list(step2.saves) == ["b"]
+    scheduler.update_connector_output(connector_output(sim.report(step1)))
+    step3 = driver.step([make_request("3", [Item("a")])]).meta
+    scheduler.update_connector_output(connector_output(sim.report(step2)))
+    assert "a" in step3.loads
+    scheduler.update_connector_output(connector_output(sim.report(step3)))
+    assert not scheduler.allocator.has_held_entries()
+
+
+def test_update_connector_output_ignores_foreign_and_unknown(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    class Foreign(ECConnectorWorkerMetadata):
+        def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+            return self
+
+    scheduler = make_scheduler()
+    scheduler.update_connector_output(connector_output(None))
+    scheduler.update_connector_output(connector_output(Foreign()))
+    scheduler.update_connector_output(
+        connector_output(ECCPUWorkerReport(["nope"], [99], reporters=[0], load_acks=[(0, 99)]))
+    )
+    assert scheduler.counters.reports_ignored == 2
+    assert len(scheduler.allocator) == 0
+
+
+def test_failed_save_drops_the_entry(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    scheduler.update_connector_output(
+        connector_output(SimulatedRanks().report(meta, fail_saves=[H]))
+    )
+    assert H not in scheduler.allocator
+    assert scheduler.counters.saves_failed == 1
+    assert not scheduler.allocator.has_held_entries()
+
+
+def test_failed_load_releases_the_pin_and_retires_the_entry(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    tid = meta.loads[H][0]
+    scheduler.update_connector_output(
+        connector_output(SimulatedRanks().report(meta, fail_loads=[tid]))
+    )
+    assert H not in scheduler.allocator
+    assert scheduler.counters.loads_failed == 1
+
+
+def test_has_pending_push_work_v1_and_v2(make_scheduler: SchedulerFactory) -> None:
+    v1 = make_scheduler()
+    meta = StepDriver(v1).step([make_request("r", [Item(H)])]).meta
+    assert not v1.has_pending_push_work(), "V1 empty steps never reach the workers"
+    v1.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+
+    v2 = make_scheduler(v2=True)
+    assert not v2.has_pending_push_work()
+    meta = StepDriver(v2).step([make_request("r", [Item(H)])]).meta
+    assert v2.has_pending_push_work() and v2.has_pending_push_work()  # a pure query
+    v2.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    assert not v2.has_pending_push_work()
+    meta = StepDriver(v2).step([make_request("r2", [Item(H)])]).meta
+    assert v2.has_pending_push_work(), "a load in flight"
+    v2.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    assert not v2.has_pending_push_work()
+
+
+def test_shutdown_is_idempotent_and_stops_hits(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
+    scheduler.shutdown()
+    scheduler.shutdown()
+    assert not scheduler.has_cache_item(H)
+    assert not scheduler.has_pending_push_work()
+    assert scheduler.request_finished(make_request("r", [Item(H)])) == (False, None)
+    result = StepDriver(scheduler).step([make_request("r", [Item(H)])])
+    assert result.meta.saves == {} and result.meta.loads == {}
+
+
+def test_region_full_of_held_entries_skips_saves_and_never_blocks(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler(blocks=8)
+    driver = StepDriver(scheduler)
+    driver.step([make_request("1", [Item("a")])])  # 8 blocks, save in flight
+    request = make_request("2", [Item("b")])
+    assert scheduler.ensure_cache_available(request, 0)
+    result = driver.step([request])
+    assert result.meta.saves == {}
+    assert scheduler.counters.saves_skipped_full == 1
+    assert not scheduler.has_cache_item("b")
+
+
+def test_lru_eviction_through_the_scheduler(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler(blocks=16)
+    _save_and_report(scheduler, Item("a"))
+    _save_and_report(scheduler, Item("b"))
+    # Reload "a": it becomes the most recently used.
+    meta = StepDriver(scheduler).step([make_request("r", [Item("a")])]).meta
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    _save_and_report(scheduler, Item("c"))
+    assert "b" not in scheduler.allocator
+    assert "a" in scheduler.allocator and "c" in scheduler.allocator
+    assert scheduler.counters.evictions == 1
+
+
+# --------------------------------------------------- upstream failure modes
+
+
+def test_fm1_promised_entry_survives_a_same_request_save(make_scheduler: SchedulerFactory) -> None:
+    """Upstream: a save for item X evicts entry Y that lookup(Y) had promised."""
+    scheduler = make_scheduler(blocks=16)
+    _save_and_report(scheduler, Item("y"))  # blocks 0-7, ready, evictable
+    _save_and_report(scheduler, Item("z"))  # blocks 8-15, ready, evictable
+    # Request with a new item X (needs 8 blocks: must evict) and the cached Y.
+    # vLLM looks both up first, then allocates X (compute) before Y (load).
+    result = StepDriver(scheduler).step([make_request("r", [Item("x"), Item("y")])])
+    assert result.looked_up == {"x": False, "y": True}
+    assert "y" in result.meta.loads, "the promised entry must still be loadable"
+    assert "x" in result.meta.saves
+    assert "z" not in scheduler.allocator, "the save evicted the unpromised entry"
+    assert set(result.meta.saves["x"]).isdisjoint(result.meta.loads["y"][1])
+
+
+def test_fm1_unscheduled_promise_is_released_at_step_end(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler(blocks=8)
+    _save_and_report(scheduler, Item("y"))
+    result = StepDriver(scheduler).step([make_request("r", [Item("y")])], skip_alloc=["r"])
+    assert result.looked_up == {"y": True} and result.meta.loads == {}
+    entry = scheduler.allocator.get("y")
+    assert entry is not None and entry.pins == 0 and entry.evictable
+
+
+@pytest.mark.parametrize(
+    ("item", "counter", "needle"),
+    [
+        (Item("huge", embeds=100), "saves_skipped_oversize", "needs 100 blocks"),
+        (Item("empty", embeds=0), "saves_skipped_empty", "no embeddings"),
+        (Item("sound", modality="audio"), "saves_skipped_unmeasured", "'audio'"),
+    ],
+)
+def test_fm2_unsaveable_items_warn_once_and_do_not_raise(
+    make_scheduler: SchedulerFactory,
+    ec_log: pytest.LogCaptureFixture,
+    item: Item,
+    counter: str,
+    needle: str,
+) -> None:
+    scheduler = make_scheduler(blocks=64)
+    driver = StepDriver(scheduler)
+    for i in range(3):
+        again = Item(f"{item.identifier}{i}", item.embeds, item.modality)
+        result = driver.step([make_request(f"r{i}", [again])])
+        assert result.meta.saves == {}
+    assert getattr(scheduler.counters, counter) == 3
+    warnings = [
+        r for r in ec_log.records if r.levelno == logging.WARNING and needle in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert len(scheduler.allocator) == 0
+
+
+def test_fm3_lost_save_is_reclaimed_and_the_engine_can_idle(
+    make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    clock = [1000.0]
+    scheduler = make_scheduler(v2=True, ec_report_timeout_steps=3, ec_report_timeout_s=5)
+    scheduler.flights.clock = lambda: clock[0]
+    driver = StepDriver(scheduler)
+    driver.step([make_request("r", [Item(H)])])  # never reported
+    assert scheduler.has_pending_push_work()
+    for _ in range(5):  # steps pass but not the time
+        scheduler.build_connector_meta(scheduler_output())
+    assert H in scheduler.allocator, "a fast burst of steps alone must not reclaim"
+    clock[0] += 10
+    scheduler.build_connector_meta(scheduler_output())
+    assert H not in scheduler.allocator
+    assert not scheduler.has_pending_push_work()
+    assert not scheduler.allocator.has_held_entries()
+    assert scheduler.counters.saves_reclaimed == 1
+    assert any("was not reported" in r.getMessage() for r in ec_log.records)
+
+
+def test_fm3_idle_time_alone_does_not_reclaim(make_scheduler: SchedulerFactory) -> None:
+    clock = [0.0]
+    scheduler = make_scheduler(ec_report_timeout_steps=3, ec_report_timeout_s=5)
+    scheduler.flights.clock = lambda: clock[0]
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    clock[0] += 3600  # an hour of idling: no steps reached the workers
+    scheduler.build_connector_meta(scheduler_output(num_tokens=0))
+    assert H in scheduler.allocator
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    assert scheduler.has_cache_item(H)
+
+
+def test_fm3_lost_load_report_releases_the_pin(make_scheduler: SchedulerFactory) -> None:
+    clock = [0.0]
+    scheduler = make_scheduler(ec_report_timeout_steps=2, ec_report_timeout_s=0)
+    scheduler.flights.clock = lambda: clock[0]
+    _save_and_report(scheduler, Item(H), ranks=2)
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    scheduler.update_connector_output(connector_output(SimulatedRanks(2).report(meta, ranks=[0])))
+    assert scheduler.allocator.get(H).pins == 1  # type: ignore[union-attr]
+    for _ in range(3):
+        clock[0] += 1
+        scheduler.build_connector_meta(scheduler_output())
+    entry = scheduler.allocator.get(H)
+    assert entry is not None and entry.pins == 0 and entry.evictable
+    assert scheduler.counters.loads_reclaimed == 1
+    # The straggler's report after the reclaim is ignored, not a double unpin.
+    scheduler.update_connector_output(connector_output(SimulatedRanks(2).report(meta, ranks=[1])))
+    assert entry.pins == 0
+
+
+def test_fm3_late_report_after_reclaim_does_not_make_a_new_save_ready(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    clock = [0.0]
+    scheduler = make_scheduler(ec_report_timeout_steps=1, ec_report_timeout_s=0)
+    scheduler.flights.clock = lambda: clock[0]
+    driver = StepDriver(scheduler)
+    lost = driver.step([make_request("r", [Item(H)])]).meta
+    for _ in range(3):
+        scheduler.build_connector_meta(scheduler_output())
+    assert H not in scheduler.allocator
+    # The key is quarantined for a bound: no new save that a late report could confuse.
+    assert driver.step([make_request("r2", [Item(H)])]).meta.saves == {}
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(lost)))
+    assert H not in scheduler.allocator
+    for _ in range(3):
+        scheduler.build_connector_meta(scheduler_output())
+    assert H in driver.step([make_request("r3", [Item(H)])]).meta.saves
+
+
+def test_fm4_shape_mismatch_is_a_miss_and_drops_the_stale_entry(
+    make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H, embeds=8))
+    result = StepDriver(scheduler).step([make_request("r", [Item(H, embeds=6)])])
+    assert result.looked_up == {H: False}
+    assert result.meta.loads == {}
+    assert result.meta.saves[H] == list(range(6)), "re-encoded and saved with the new shape"
+    assert scheduler.counters.stale_dropped == 1
+    assert any("reused multimodal UUID" in r.getMessage() for r in ec_log.records)
+
+
+def test_fm4_pinned_stale_entry_is_dropped_after_its_load(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H, embeds=8))
+    driver = StepDriver(scheduler)
+    in_flight = driver.step([make_request("r1", [Item(H, embeds=8)])]).meta
+    result = driver.step([make_request("r2", [Item(H, embeds=4)])])
+    assert result.looked_up == {H: False}
+    assert result.meta.loads == {} and result.meta.saves == {}
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(in_flight)))
+    assert H not in scheduler.allocator
+
+
+def _line_events(scheduler: ECCPUScheduler, requests: list[list[Item]]) -> int:
+    count = 0
+
+    def tracer(frame: object, event: str, arg: object) -> object:
+        nonlocal count
+        count += 1
+        return tracer
+
+    driver = StepDriver(scheduler)
+    sim = SimulatedRanks()
+    sys.settrace(tracer)
+    try:
+        for i, items in enumerate(requests):
+            meta = driver.step([make_request(f"q{i}", items)]).meta
+            scheduler.update_connector_output(connector_output(sim.report(meta)))
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_fm5_step_cost_does_not_grow_with_region_or_entries(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """Count executed Python lines for identical steps on a tiny and a huge cache."""
+    small = make_scheduler(blocks=64)
+    _save_and_report(small, Item("hot"))
+    big = make_scheduler(blocks=1 << 24)
+    for i in range(2000):
+        _save_and_report(big, Item(f"cold{i}"))
+    _save_and_report(big, Item("hot"))
+    workload = [[Item("hot"), Item("new1")], [Item("new2")], [Item("hot")]]
+    small_events = _line_events(small, workload)
+    big_events = _line_events(big, workload)
+    assert small_events > 100, "the trace must have seen the steps"
+    assert big_events == small_events, (small_events, big_events)

@@ -1,0 +1,151 @@
+"""Drive a scheduler half the way vLLM's scheduler does, with real vLLM objects.
+
+`make_request` builds a real `vllm.v1.request.Request` with real multimodal
+feature specs; `StepDriver` replays vLLM's per-step call order against an
+`ECCPUScheduler` (lookups, then allocation — computed items first, loads
+second — then the metadata), and `SimulatedRanks` plays the workers: it turns
+the step's metadata into the reports the real workers would send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
+
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+
+
+@dataclass(frozen=True)
+class Item:
+    """One multimodal item of a request."""
+
+    identifier: str
+    embeds: int = 8
+    modality: str = "image"
+
+
+def make_request(request_id: str, items: Sequence[Item], *, text_tokens: int = 4) -> Request:
+    """A real vLLM Request whose prompt holds `items` after some text tokens."""
+    features = []
+    offset = text_tokens
+    for item in items:
+        features.append(
+            MultiModalFeatureSpec(
+                data=None,
+                modality=item.modality,
+                identifier=item.identifier,
+                mm_position=PlaceholderRange(offset=offset, length=item.embeds),
+                mm_hash=item.identifier.split(":")[-1],
+            )
+        )
+        offset += item.embeds
+    prompt = [1] * (offset + 1)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=features,
+    )
+
+
+def scheduler_output(num_tokens: int = 1) -> SchedulerOutput:
+    """A SchedulerOutput for a step that scheduled `num_tokens` tokens."""
+    output = SchedulerOutput.make_empty()
+    output.total_num_scheduled_tokens = num_tokens
+    return output
+
+
+def connector_output(report: ECCPUWorkerReport | Any | None) -> ECConnectorOutput:
+    return ECConnectorOutput(ec_connector_worker_meta=report)
+
+
+@dataclass
+class StepResult:
+    """What one driven step decided."""
+
+    meta: ECCPUConnectorMetadata
+    looked_up: dict[str, bool] = field(default_factory=dict)
+
+
+class StepDriver:
+    """Calls a scheduler half in vLLM's order for a batch of requests."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, requests: Iterable[Request], *, skip_alloc: Iterable[str] = ()) -> StepResult:
+        """Schedule every item of every request in one step.
+
+        For each request: `ensure_cache_available`, `has_cache_item` per item,
+        then `update_state_after_alloc` for the computed items followed by the
+        looked-up ones (vLLM's order). Items already seen in this step are
+        duplicates and are neither looked up nor allocated, as in vLLM.
+        Requests listed in `skip_alloc` are looked up but then not scheduled.
+        """
+        skipped = set(skip_alloc)
+        looked_up: dict[str, bool] = {}
+        scheduled: set[str] = set()
+        for request in requests:
+            self.scheduler.ensure_cache_available(request, 0)
+            compute: list[int] = []
+            loads: list[int] = []
+            for index, feature in enumerate(request.mm_features):
+                if feature.identifier in scheduled:
+                    continue
+                scheduled.add(feature.identifier)
+                hit = self.scheduler.has_cache_item(feature.identifier)
+                looked_up[feature.identifier] = hit
+                (loads if hit else compute).append(index)
+            if request.request_id in skipped:
+                continue
+            for index in compute + loads:
+                self.scheduler.update_state_after_alloc(request, index)
+        meta = self.scheduler.build_connector_meta(scheduler_output())
+        return StepResult(meta=meta, looked_up=looked_up)
+
+
+class SimulatedRanks:
+    """Workers of `ranks` ranks: rank 0 performs saves, every rank performs loads."""
+
+    def __init__(self, ranks: int = 1) -> None:
+        self.ranks = ranks
+
+    def report(
+        self,
+        meta: ECCPUConnectorMetadata,
+        *,
+        ranks: Iterable[int] | None = None,
+        fail_saves: Iterable[str] = (),
+        fail_loads: Iterable[int] = (),
+    ) -> ECCPUWorkerReport:
+        """The aggregated report of `ranks` (default: all) for `meta`."""
+        failed_saves = set(fail_saves)
+        failed_loads = set(fail_loads)
+        reports = []
+        for rank in range(self.ranks) if ranks is None else ranks:
+            report = ECCPUWorkerReport(reporters=[rank])
+            if rank == 0:
+                for key in meta.saves:
+                    if key in failed_saves:
+                        report.failed_saves.append(key)
+                    else:
+                        report.completed_saves.append(key)
+            for tid, _, _ in meta.loads.values():
+                if tid in failed_loads:
+                    report.failed_loads.append((rank, tid))
+                else:
+                    report.completed_loads.append(tid)
+                    report.load_acks.append((rank, tid))
+            reports.append(report)
+        head = reports[0]
+        for other in reports[1:]:
+            head.aggregate(other)
+        return head
