@@ -20,6 +20,8 @@ class SchedulerCounters:
     """Loads whose reports never all arrived; their pins were released."""
     load_rows: int = 0
     """Embedding rows served from the region."""
+    load_bytes: int = 0
+    """Bytes of encoder output served from the region."""
     saves_dispatched: int = 0
     saves_completed: int = 0
     saves_failed: int = 0
@@ -27,6 +29,8 @@ class SchedulerCounters:
     """Saves whose report never arrived; their entries were discarded."""
     save_rows: int = 0
     """Embedding rows written to the region."""
+    save_bytes: int = 0
+    """Bytes of encoder output written to the region."""
     saves_skipped_full: int = 0
     """Region full of entries that cannot be evicted now (held)."""
     saves_skipped_oversize: int = 0

@@ -195,6 +195,7 @@ class ECCPUScheduler:
         self._pending_loads[key] = (tid, entry.block_ids, entry.shape)
         self.counters.loads_dispatched += 1
         self.counters.load_rows += entry.shape[0]
+        self.counters.load_bytes += entry.shape[0] * entry.shape[1] * self._itemsize
 
     def _allocate_save(self, feature: MultiModalFeatureSpec) -> None:
         key = feature.identifier
@@ -243,6 +244,7 @@ class ECCPUScheduler:
         self._pending_saves[key] = entry.block_ids
         self.counters.saves_dispatched += 1
         self.counters.save_rows += rows
+        self.counters.save_bytes += rows * width * self._itemsize
 
     # ---------------------------------------------------------- step edge
 

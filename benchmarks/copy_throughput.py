@@ -1,0 +1,135 @@
+"""CPU backend copy throughput vs a plain memcpy of the same bytes.
+
+    hatch run bench-copy [--repeats N]
+
+For entries of 1, 8 and 64 MB (bf16 rows of width 4096, so 8 KiB blocks), it
+times a save and a load through the real `CpuECCPUWorker` and a real shared
+region — descriptor building, the copy, the report — and, side by side, one
+`memcpy` (`ctypes.memmove`) of the same number of bytes between the same kind
+of memory:
+
+* save:  encoder output (host tensor) → region;  memcpy tensor → region
+* load:  region → a fresh per-entry tensor;      memcpy region → fresh tensor
+
+A load always writes a freshly allocated tensor (each loaded entry owns its
+memory), so its memcpy baseline does too; "memcpy warm" copies into memory
+that was already touched, which is the ceiling. Medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from ec_core.metadata import ECCPUConnectorMetadata
+from ec_core.worker import RankInfo
+from ec_worker_cpu.worker import CpuECCPUWorker
+from ectools.configs import make_vllm_config
+from ectools.tiny_blip2 import TinyBlip2, write_config_only
+
+WIDTH = 4096
+SIZES_MB = (1, 8, 64)
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
+    """Table rows (save, load) for one entry size."""
+    nbytes = mb * 2**20
+    rows = nbytes // (WIDTH * 2)
+    blocks = list(range(rows))  # one run: what the allocator hands out
+    source = torch.randn(rows, WIDTH).to(torch.bfloat16)
+    save_meta = ECCPUConnectorMetadata(saves={"e": blocks})
+    load_meta = ECCPUConnectorMetadata(loads={"e": (0, blocks, (rows, WIDTH))})
+    region_addr = worker.region.base_address
+    warm = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def save() -> None:
+        worker.bind(save_meta)
+        worker.save_caches({"e": source}, "e", save_meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().completed_saves == ["e"]
+
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load() -> None:
+        loaded.clear()  # vLLM frees the previous entry before it is loaded again
+        worker.bind(load_meta)
+        worker.start_load_caches(loaded, load_meta)
+        worker.get_finished()
+        worker.build_connector_worker_meta()
+
+    def memcpy_save() -> None:
+        ctypes.memmove(region_addr, source.data_ptr(), nbytes)
+
+    def memcpy_load_fresh() -> None:
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        ctypes.memmove(fresh.data_ptr(), region_addr, nbytes)
+
+    def memcpy_warm() -> None:
+        ctypes.memmove(warm.data_ptr(), region_addr, nbytes)
+
+    save()
+    load()
+    assert torch.equal(loaded["e"], source), "round trip must be byte-exact"
+    warm_gbs = nbytes / _median_seconds(memcpy_warm, repeats) / 1e9
+    lines = []
+    for op, ours, base in (("save", save, memcpy_save), ("load", load, memcpy_load_fresh)):
+        ours_s = _median_seconds(ours, repeats)
+        base_s = _median_seconds(base, repeats)
+        lines.append(
+            f"{mb:>5}MB {op:>5} {nbytes / ours_s / 1e9:>12.2f} {nbytes / base_s / 1e9:>12.2f} "
+            f"{base_s / ours_s:>6.2f} {warm_gbs:>12.2f}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    region_dir = tempfile.mkdtemp(prefix="ec-bench-region-")
+    model_dir = write_config_only(
+        tempfile.mkdtemp(prefix="ec-bench-model-"), TinyBlip2(text_hidden=WIDTH)
+    )
+    config = make_vllm_config(
+        model_dir,
+        dtype="bfloat16",
+        extra={"ec_cpu_bytes": f"{2 * max(SIZES_MB) + 8}MiB", "ec_cpu_dir": region_dir},
+    )
+    worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
+    header = (
+        f"{'entry':>7} {'op':>5} {'worker GB/s':>12} {'memcpy GB/s':>12} "
+        f"{'ratio':>6} {'memcpy warm':>12}"
+    )
+    print(
+        f"\nCPU backend copy throughput (block {worker.block_size} B, bf16 x {WIDTH}, "
+        f"medians of {args.repeats}; ratio = worker / memcpy)"
+    )
+    print(header)
+    print("-" * len(header))
+    try:
+        for mb in SIZES_MB:
+            for line in measure(worker, mb, args.repeats):
+                print(line)
+    finally:
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The common ECCPUWorker, through an instrumented host-memory backend."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle, block_runs
+from ec_core.worker import ECCPUWorker, RankInfo
+from ectools.configs import make_vllm_config
+
+WIDTH = 128
+BLOCK = WIDTH * 4  # fp32 rows
+
+
+class Handle:
+    def __init__(self, backend: HostBackend, batch: DescriptorBatch) -> None:
+        self.backend = backend
+        self.batch = batch
+        self.done = not backend.deferred
+        self.released = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.backend.events.append("synchronize")
+        self.complete()
+
+    def complete(self) -> None:
+        if not self.done:
+            for src, dst, size in self.batch:
+                ctypes.memmove(dst, src, size)
+            self.done = True
+
+    def release(self) -> None:
+        assert self.done, "released before completion"
+        self.released = True
+
+
+class HostBackend(ECCPUWorker):
+    """Copies in host memory; can defer completion and fail on demand."""
+
+    deferred = False
+
+    def __init__(self, *args: Any, fail_pin: bool = False, **kwargs: Any) -> None:
+        self.fail_pin = fail_pin
+        self.events: list[str] = []
+        self.submits: list[tuple[TransferDirection, int]] = []
+        self.handles: list[Handle] = []
+        self.fail_next_submit = False
+        self.fail_shutdown = False
+        super().__init__(*args, **kwargs)
+
+    def _pin_shared_region(self) -> None:
+        self.events.append("pin")
+        if self.fail_pin:
+            raise RuntimeError("pinning refused")
+
+    def _submit_transfer(
+        self,
+        batch: DescriptorBatch,
+        direction: TransferDirection,
+        keepalive: Sequence[torch.Tensor],
+    ) -> TransferHandle:
+        if self.fail_next_submit:
+            self.fail_next_submit = False
+            raise RuntimeError("injected submit failure")
+        self.submits.append((direction, len(batch)))
+        handle = Handle(self, batch)
+        if handle.done:
+            for src, dst, size in batch:
+                ctypes.memmove(dst, src, size)
+        self.handles.append(handle)
+        return handle
+
+    def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _shutdown_transfer_backend(self) -> None:
+        self.events.append("backend-shutdown")
+        if self.fail_shutdown:
+            raise RuntimeError("backend refused to shut down")
+
+
+@pytest.fixture
+def config_factory(tiny_model_dir: str, tmp_path: Path) -> Any:
+    def make(role: str = "ec_both") -> Any:
+        return make_vllm_config(
+            tiny_model_dir,
+            role=role,
+            extra={"ec_cpu_bytes": 256 * BLOCK, "ec_cpu_dir": str(tmp_path)},
+        )
+
+    return make
+
+
+@pytest.fixture
+def worker(config_factory: Any) -> Iterator[HostBackend]:
+    w = HostBackend(config_factory(), rank_info=RankInfo(rank=0, is_save_rank=True))
+    yield w
+    w.shutdown()
+
+
+def _step_save(
+    w: ECCPUWorker, saves: dict[str, list[int]], cache: dict[str, torch.Tensor]
+) -> ECCPUWorkerReport:
+    meta = ECCPUConnectorMetadata(saves=saves)
+    w.bind(meta)
+    w.start_load_caches(cache, meta)
+    for key in saves:
+        w.save_caches(cache, key, meta)
+    w.get_finished()
+    return w.build_connector_worker_meta()
+
+
+def _step_load(
+    w: ECCPUWorker, loads: dict[str, tuple[int, list[int], tuple[int, int]]]
+) -> tuple[dict[str, torch.Tensor], ECCPUWorkerReport]:
+    cache: dict[str, torch.Tensor] = {}
+    meta = ECCPUConnectorMetadata(loads=loads)
+    w.bind(meta)
+    w.start_load_caches(cache, meta)
+    w.get_finished()
+    return cache, w.build_connector_worker_meta()
+
+
+def test_block_runs() -> None:
+    assert block_runs([]) == []
+    assert block_runs([5]) == [(5, 1)]
+    assert block_runs([3, 4, 5, 6]) == [(3, 4)]
+    assert block_runs([9, 2, 3, 4, 10, 11]) == [(9, 1), (2, 3), (10, 2)]
+    assert block_runs([7, 6, 5]) == [(7, 1), (6, 1), (5, 1)]
+
+
+def test_descriptor_batch_split() -> None:
+    batch = DescriptorBatch()
+    for i in range(10):
+        batch.add(i, 100 + i, 1 + i)
+    chunks = batch.split(4)
+    assert [len(c) for c in chunks] == [4, 4, 2]
+    assert sum(c.nbytes for c in chunks) == batch.nbytes
+    src, dst, sizes = chunks[1].as_tensors()
+    assert src.tolist() == [4, 5, 6, 7] and dst.dtype == torch.int64
+    assert sizes.tolist() == [5, 6, 7, 8]
+
+
+def test_save_then_load_round_trips_bytes(worker: HostBackend) -> None:
+    a = torch.randn(8, WIDTH)
+    b = torch.randn(3, WIDTH)
+    # a: one run; b: scattered over three runs in a scrambled order.
+    saves = {"a": list(range(10, 18)), "b": [40, 41, 7, 99]}
+    b_blocks = [40, 41, 7]
+    report = _step_save(worker, {"a": saves["a"], "b": b_blocks}, {"a": a, "b": b})
+    assert report.completed_saves == ["a", "b"]
+    assert worker.submits == [(TransferDirection.DEVICE_TO_HOST, 1 + 2)]
+    cache, report = _step_load(
+        worker, {"a": (1, saves["a"], (8, WIDTH)), "b": (2, b_blocks, (3, WIDTH))}
+    )
+    assert report.completed_loads == [1, 2] or report.completed_loads == [2, 1]
+    assert sorted(report.load_acks) == [(0, 1), (0, 2)]
+    assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, 3)
+    assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b)
+    assert cache["a"].shape == (8, WIDTH) and cache["a"].dtype == torch.float32
+
+
+def test_loaded_entries_own_their_memory(worker: HostBackend) -> None:
+    src = {k: torch.randn(2, WIDTH) for k in "xy"}
+    _step_save(worker, {"x": [0, 1], "y": [2, 3]}, src)
+    cache, _ = _step_load(worker, {"x": (0, [0, 1], (2, WIDTH)), "y": (1, [2, 3], (2, WIDTH))})
+    storages = {cache[k].untyped_storage().data_ptr() for k in "xy"}
+    assert len(storages) == 2, "each loaded entry must have a buffer of its own"
+    region = worker.region.blocks
+    region_span = (region.data_ptr(), region.data_ptr() + region.numel())
+    for key in "xy":
+        assert not region_span[0] <= cache[key].data_ptr() < region_span[1]
+        assert cache[key].untyped_storage().nbytes() == 2 * WIDTH * 4
+
+
+def test_partial_last_block_preserves_the_rest_of_the_region(worker: HostBackend) -> None:
+    worker.region.blocks[5:7].fill_(77)
+    # 1.5 blocks worth of data: rows of half width would not fit a block exactly,
+    # so use a bf16-sized payload through a (3, 64) fp32 tensor: 768 bytes.
+    src = torch.randn(3, 64)
+    meta = ECCPUConnectorMetadata(saves={"p": [5, 6]})
+    worker.bind(meta)
+    worker.save_caches({"p": src}, "p", meta)
+    worker.get_finished()
+    assert worker.build_connector_worker_meta().completed_saves == ["p"]
+    tail = worker.region.blocks[6, 768 - BLOCK :]
+    assert torch.all(tail == 77), "bytes past the entry must not be written"
+    cache, _ = _step_load(worker, {"p": (0, [5, 6], (3, 64))})
+    assert torch.equal(cache["p"], src)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "blocks", "needle"),
+    [
+        (torch.randn(9, WIDTH), 8, "allocated"),  # larger than its allocation
+        (torch.randn(2, WIDTH), 8, "allocated"),  # far smaller: the scheduler's size is wrong
+        (torch.randn(8, WIDTH, dtype=torch.float64).float().half(), 8, "dtype"),
+    ],
+)
+def test_bad_saves_are_skipped_with_a_warning(
+    worker: HostBackend,
+    ec_log: pytest.LogCaptureFixture,
+    tensor: torch.Tensor,
+    blocks: int,
+    needle: str,
+) -> None:
+    worker.region.blocks[:blocks].fill_(5)
+    report = _step_save(worker, {"bad": list(range(blocks))}, {"bad": tensor})
+    assert report.failed_saves == ["bad"] and report.completed_saves == []
+    assert torch.all(worker.region.blocks[:blocks] == 5), "nothing may be written"
+    assert any(needle in r.getMessage() for r in ec_log.records if r.levelno == logging.WARNING)
+
+
+def test_a_save_never_produced_is_reported_failed(worker: HostBackend) -> None:
+    meta = ECCPUConnectorMetadata(saves={"ghost": [0]})
+    worker.bind(meta)
+    worker.get_finished()
+    report = worker.build_connector_worker_meta()
+    assert report.failed_saves == ["ghost"]
+    assert worker.submits == []
+
+
+def test_non_save_rank_loads_but_never_saves(config_factory: Any) -> None:
+    config = config_factory()  # one engine: both ranks share its config and region
+    rank0 = HostBackend(config, rank_info=RankInfo(rank=0, is_save_rank=True))
+    rank1 = HostBackend(config, rank_info=RankInfo(rank=1, is_save_rank=False))
+    try:
+        data = torch.randn(4, WIDTH)
+        report1 = _step_save(rank1, {"k": [0, 1, 2, 3]}, {"k": data})
+        assert report1.completed_saves == [] and report1.failed_saves == []
+        assert report1.reporters == [1]
+        _step_save(rank0, {"k": [0, 1, 2, 3]}, {"k": data})
+        cache, report = _step_load(rank1, {"k": (9, [0, 1, 2, 3], (4, WIDTH))})
+        assert report.load_acks == [(1, 9)]
+        assert torch.equal(cache["k"], data)
+    finally:
+        rank1.shutdown()
+        rank0.shutdown()
+
+
+def test_every_step_reports_its_rank(worker: HostBackend) -> None:
+    meta = ECCPUConnectorMetadata()
+    worker.bind(meta)
+    worker.start_load_caches({}, meta)
+    worker.get_finished()
+    report = worker.build_connector_worker_meta()
+    assert isinstance(report, ECCPUWorkerReport)
+    assert report.reporters == [0]
+    assert report.completed_saves == report.completed_loads == []
+    assert worker.submits == []
+
+
+def test_failed_submissions_are_reported_and_the_worker_stays_usable(
+    worker: HostBackend, ec_log: pytest.LogCaptureFixture
+) -> None:
+    worker.fail_next_submit = True
+    report = _step_save(worker, {"s": [0, 1]}, {"s": torch.randn(2, WIDTH)})
+    assert report.failed_saves == ["s"] and report.completed_saves == []
+    good = torch.randn(2, WIDTH)
+    assert _step_save(worker, {"t": [2, 3]}, {"t": good}).completed_saves == ["t"]
+    worker.fail_next_submit = True
+    cache, report = _step_load(worker, {"t": (4, [2, 3], (2, WIDTH))})
+    assert cache == {} and report.failed_loads == [(0, 4)]
+    cache, report = _step_load(worker, {"t": (5, [2, 3], (2, WIDTH))})
+    assert torch.equal(cache["t"], good) and report.load_acks == [(0, 5)]
+    assert worker.num_inflight == 0
+
+
+def test_completion_is_reported_only_when_the_copy_landed(config_factory: Any) -> None:
+    class Deferred(HostBackend):
+        deferred = True
+
+    w = Deferred(config_factory(), rank_info=RankInfo(0, True))
+    try:
+        data = torch.randn(2, WIDTH)
+        report = _step_save(w, {"d": [0, 1]}, {"d": data})
+        assert report.completed_saves == []
+        assert w.num_inflight == 1
+        w.handles[0].complete()
+        meta = ECCPUConnectorMetadata()
+        w.bind(meta)
+        w.get_finished()
+        report = w.build_connector_worker_meta()
+        assert report.completed_saves == ["d"]
+        assert w.handles[0].released
+        assert w.num_inflight == 0
+    finally:
+        w.shutdown()
+
+
+def test_shutdown_waits_then_releases_backend_then_region(config_factory: Any) -> None:
+    class Deferred(HostBackend):
+        deferred = True
+
+    w = Deferred(config_factory(), rank_info=RankInfo(0, True))
+    _step_save(w, {"d": [0, 1]}, {"d": torch.randn(2, WIDTH)})
+    path = w.region.path
+    w.shutdown()
+    assert w.events == ["pin", "synchronize", "backend-shutdown"]
+    assert w.handles[0].released
+    assert not path.exists()
+    w.shutdown()
+    assert w.events.count("backend-shutdown") == 1
+
+
+def test_region_is_cleaned_up_even_if_the_backend_fails(config_factory: Any) -> None:
+    w = HostBackend(config_factory(), rank_info=RankInfo(0, True))
+    w.fail_shutdown = True
+    path = w.region.path
+    w.shutdown()
+    assert not path.exists()
+
+
+def test_pin_failure_at_construction_leaves_no_region(config_factory: Any, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="pinning refused"):
+        HostBackend(config_factory(), rank_info=RankInfo(0, True), fail_pin=True)
+    assert list(tmp_path.glob("ec_cpu_tier_*")) == []
+
+
+def test_consumer_only_worker_ignores_saves(config_factory: Any) -> None:
+    w = HostBackend(config_factory("ec_consumer"), rank_info=RankInfo(0, True))
+    try:
+        report = _step_save(w, {"k": [0]}, {"k": torch.randn(1, WIDTH)})
+        assert report.completed_saves == [] and report.failed_saves == []
+        assert w.submits == []
+    finally:
+        w.shutdown()

@@ -1,0 +1,202 @@
+"""The CPU backend: worker copies, connector shell, registration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import ECTransferConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.v1.outputs import ECConnectorOutput
+
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.worker import RankInfo
+from ec_scheduler import ECCPUScheduler
+from ec_worker_cpu import CONNECTOR_NAME, CpuECCPUConnector, CpuECCPUWorker
+from ec_worker_cpu._plugin import register
+from ectools.configs import make_vllm_config
+from ectools.driving import Item, StepDriver, make_request
+
+WIDTH = 128
+
+
+@pytest.fixture
+def config(tiny_model_dir: str, tmp_path: Path) -> Any:
+    return make_vllm_config(
+        tiny_model_dir,
+        extra={"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)},
+        widths={"image": WIDTH},
+        module_path="ec_worker_cpu",
+    )
+
+
+@pytest.fixture
+def connectors(config: Any) -> Iterator[tuple[CpuECCPUConnector, CpuECCPUConnector]]:
+    worker = CpuECCPUConnector(config, ECConnectorRole.WORKER)
+    scheduler = CpuECCPUConnector(config, ECConnectorRole.SCHEDULER)
+    yield scheduler, worker
+    worker.shutdown()
+    scheduler.shutdown()
+
+
+def test_worker_round_trip_is_byte_exact(config: Any) -> None:
+    worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
+    try:
+        data = torch.randn(5, WIDTH)
+        meta = ECCPUConnectorMetadata(saves={"k": [9, 3, 4, 5, 20]})
+        worker.bind(meta)
+        worker.save_caches({"k": data}, "k", meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().completed_saves == ["k"]
+        cache: dict[str, torch.Tensor] = {}
+        meta = ECCPUConnectorMetadata(loads={"k": (0, [9, 3, 4, 5, 20], (5, WIDTH))})
+        worker.bind(meta)
+        worker.start_load_caches(cache, meta)
+        assert torch.equal(cache["k"], data)
+        assert cache["k"].dtype == torch.float32 and cache["k"].device.type == "cpu"
+    finally:
+        worker.shutdown()
+
+
+def test_roles_build_one_delegate_each(connectors: tuple[Any, Any]) -> None:
+    scheduler, worker = connectors
+    assert isinstance(scheduler.scheduler, ECCPUScheduler)
+    assert isinstance(worker.worker, CpuECCPUWorker)
+    with pytest.raises(RuntimeError, match="SCHEDULER role"):
+        _ = scheduler.worker
+    with pytest.raises(RuntimeError, match="WORKER role"):
+        worker.has_cache_item("x")
+    assert not worker.has_pending_push_work()
+
+
+def test_save_and_reload_through_both_connector_roles(connectors: tuple[Any, Any]) -> None:
+    scheduler, worker = connectors
+    driver = StepDriver(scheduler)
+    image = torch.randn(8, WIDTH)
+
+    def run_worker_step(meta: ECCPUConnectorMetadata, cache: dict[str, torch.Tensor]) -> None:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(cache)
+        for key in meta.saves:  # "the encoder ran" for the items to save
+            cache[key] = image
+            worker.save_caches(encoder_cache=cache, mm_hash=key)
+        worker.get_finished(set())
+        report = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        assert isinstance(report, ECCPUWorkerReport)
+        scheduler.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+
+    first = driver.step([make_request("r1", [Item("img")])]).meta
+    run_worker_step(first, {})
+    entry = scheduler.scheduler.allocator.get("img")  # type: ignore[attr-defined]
+    assert entry is not None and entry.ready
+    second = driver.step([make_request("r2", [Item("img")])]).meta
+    assert "img" in second.loads
+    cache: dict[str, torch.Tensor] = {}
+    run_worker_step(second, cache)
+    assert torch.equal(cache["img"], image)
+    assert scheduler.scheduler.counters.loads_completed == 1  # type: ignore[attr-defined]
+
+
+def test_shutdown_is_idempotent_and_removes_the_region(connectors: tuple[Any, Any]) -> None:
+    scheduler, worker = connectors
+    path = worker.worker.region.path
+    assert path.exists()
+    worker.shutdown()
+    worker.shutdown()
+    scheduler.shutdown()
+    assert not path.exists()
+
+
+def test_plugin_registers_once_and_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = dict(ECConnectorFactory._registry)
+    registry.pop(CONNECTOR_NAME, None)
+    monkeypatch.setattr(ECConnectorFactory, "_registry", registry)
+    register()
+    register()  # vLLM may load plugins many times
+    assert CONNECTOR_NAME in ECConnectorFactory._registry
+    config = ECTransferConfig(ec_connector=CONNECTOR_NAME, ec_role="ec_both")
+    assert ECConnectorFactory.get_connector_class(config) is CpuECCPUConnector
+
+
+def test_module_path_resolves_without_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = dict(ECConnectorFactory._registry)
+    registry.pop(CONNECTOR_NAME, None)
+    monkeypatch.setattr(ECConnectorFactory, "_registry", registry)
+    config = ECTransferConfig(
+        ec_connector=CONNECTOR_NAME, ec_role="ec_both", ec_connector_module_path="ec_worker_cpu"
+    )
+    assert ECConnectorFactory.get_connector_class(config) is CpuECCPUConnector
+
+
+def test_package_and_plugin_imports_are_light() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import ec_worker_cpu, ec_worker_cpu._plugin, ec_core
+        modules = ("torch", "vllm", "ec_worker_cpu.worker", "ec_core.worker")
+        heavy = [m for m in modules if m in sys.modules]
+        print(heavy)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_scheduler_role_never_imports_the_worker_module(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from ectools.configs import make_vllm_config
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+        config = make_vllm_config(
+            {tiny_model_dir!r},
+            extra={{"ec_cpu_bytes": "1MiB", "ec_cpu_dir": {str(tmp_path)!r}}},
+            module_path="ec_worker_cpu",
+        )
+        connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        print(type(connector).__name__, "ec_worker_cpu.worker" in sys.modules)
+        """
+    )
+    tools = str(Path(__file__).resolve().parents[3] / "tools")
+    env = {**__import__("os").environ, "PYTHONPATH": tools}
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
+    assert out.stdout.strip().splitlines()[-1] == "CpuECCPUConnector False"
+
+
+def test_large_entry_round_trip_through_prefaulted_buffers(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """An entry above the pre-fault threshold (fresh mapping, huge-page hint) stays exact."""
+    rows = (33 << 20) // (WIDTH * 4) + 3
+    config = make_vllm_config(
+        tiny_model_dir, extra={"ec_cpu_bytes": "40MiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
+    try:
+        data = torch.randn(rows, WIDTH)
+        blocks = list(range(rows))
+        meta = ECCPUConnectorMetadata(saves={"big": blocks})
+        worker.bind(meta)
+        worker.save_caches({"big": data}, "big", meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().completed_saves == ["big"]
+        cache: dict[str, torch.Tensor] = {}
+        meta = ECCPUConnectorMetadata(loads={"big": (1, blocks, (rows, WIDTH))})
+        worker.bind(meta)
+        worker.start_load_caches(cache, meta)
+        assert torch.equal(cache["big"], data)
+    finally:
+        worker.shutdown()

@@ -1,0 +1,191 @@
+"""Run a real vLLM CPU engine over a repeated-image workload.
+
+Used by the engine tests (each run in a fresh process, so vLLM's process-wide
+state never leaks between runs) and by the demo. Run as a script, it reads a
+JSON `EngineSpec` from its first argument and prints one line
+`RESULT <json>` with the generated token ids per pass and, when the engine
+runs in-process, the connector's scheduler counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Question: what is in the picture? Answer:"
+
+
+@dataclass
+class EngineSpec:
+    """One engine run: model, connector (or none), and the passes to run."""
+
+    model_dir: str
+    passes: list[list[int]]
+    """Image indices per pass; each pass is one `generate` call."""
+    image_size: int = 32
+    connector: str | None = None
+    """Connector name, e.g. `CpuECCPUConnector`; None runs without one."""
+    module_path: str | None = "ec_worker_cpu"
+    role: str = "ec_both"
+    extra: dict[str, Any] = field(default_factory=dict)
+    multiprocess: bool = True
+    """False runs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    max_num_batched_tokens: int = 32
+    """Also the size of vLLM's own encoder cache (in embeddings)."""
+    max_num_seqs: int = 4
+    max_tokens: int = 8
+    corrupt_after_pass: int | None = None
+    """Overwrite the region's blocks with noise after this pass (proves loads are used)."""
+    hold_after_pass: int | None = None
+    """Print `READY` and sleep after this pass (for kill tests)."""
+
+
+def make_images(count: int, size: int, seed: int = 1000) -> list[Any]:
+    """`count` deterministic random RGB images."""
+    import numpy as np
+    from PIL import Image
+
+    return [
+        Image.fromarray(
+            np.random.default_rng(seed + i).integers(0, 256, (size, size, 3), dtype=np.uint8)
+        )
+        for i in range(count)
+    ]
+
+
+def region_files(directory: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(directory).glob("ec_cpu_tier_*.mmap"))
+
+
+def corrupt_regions(directory: str | os.PathLike[str], seed: int = 7) -> int:
+    """Overwrite every region's block area with noise; returns files touched."""
+    import numpy as np
+
+    from ec_core.region import HEADER_BYTES
+
+    files = region_files(directory)
+    for path in files:
+        size = path.stat().st_size - HEADER_BYTES
+        noise = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+        with open(path, "r+b") as handle:
+            handle.seek(HEADER_BYTES)
+            handle.write(noise)
+    return len(files)
+
+
+def _progress(event: str, **data: Any) -> None:
+    print("PROGRESS " + json.dumps({"event": event, **data}), flush=True)
+
+
+def _count_encoded_items(llm: Any) -> list[int] | None:
+    """Wrap the model's encoder to count the items it encodes (in-process only)."""
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        model = executor.driver_worker.worker.model_runner.get_model()
+    except AttributeError:
+        return None
+    count = [0]
+    original = model.embed_multimodal
+
+    def counted(**kwargs: Any) -> Any:
+        outputs = original(**kwargs)
+        count[0] += len(outputs)
+        return outputs
+
+    model.embed_multimodal = counted
+    return count
+
+
+def _scheduler_counters(llm: Any) -> dict[str, int] | None:
+    """The connector's scheduler counters when the engine core is in-process."""
+    try:
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector
+        counters = connector.scheduler.counters
+    except AttributeError:
+        return None
+    return dict(counters.as_dict())
+
+
+def run(spec: EngineSpec) -> dict[str, Any]:
+    """Start the engine, run every pass, shut it down; return what happened."""
+    if not spec.multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import ECTransferConfig
+
+    kwargs: dict[str, Any] = {
+        "model": spec.model_dir,
+        "tokenizer": spec.model_dir,
+        "dtype": "float32",
+        "enable_prefix_caching": False,
+        "max_model_len": 128,
+        "max_num_batched_tokens": spec.max_num_batched_tokens,
+        "max_num_seqs": spec.max_num_seqs,
+        "limit_mm_per_prompt": {"image": 1},
+        "enforce_eager": True,
+        "seed": 0,
+    }
+    if spec.connector is not None:
+        kwargs["ec_transfer_config"] = ECTransferConfig(
+            ec_connector=spec.connector,
+            ec_connector_module_path=spec.module_path,
+            ec_role=spec.role,  # type: ignore[arg-type]
+            ec_connector_extra_config=dict(spec.extra),
+        )
+    images = make_images(1 + max(max(p) for p in spec.passes if p), spec.image_size)
+    sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    _progress("starting")
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"ready_s": round(time.perf_counter() - started, 2)}
+    _progress("ready", seconds=result["ready_s"])
+    encoded = _count_encoded_items(llm)
+    passes: list[list[list[int]]] = []
+    seconds: list[float] = []
+    region_dir = spec.extra.get("ec_cpu_dir", "/dev/shm")
+    for number, indices in enumerate(spec.passes):
+        prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": images[i]}} for i in indices]
+        began = time.perf_counter()
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        seconds.append(round(time.perf_counter() - began, 3))
+        passes.append([list(out.outputs[0].token_ids) for out in outputs])
+        _progress("pass", number=number + 1, of=len(spec.passes), seconds=seconds[-1])
+        if spec.corrupt_after_pass == number:
+            result["corrupted_files"] = corrupt_regions(region_dir)
+        if spec.hold_after_pass == number:
+            print("READY", json.dumps({"passes": passes}), flush=True)
+            time.sleep(3600)
+    result["passes"] = passes
+    result["pass_seconds"] = seconds
+    result["counters"] = _scheduler_counters(llm)
+    result["encoded_items"] = encoded[0] if encoded is not None else None
+    result["region_files_while_running"] = [p.name for p in region_files(region_dir)]
+    del llm
+    import gc
+
+    gc.collect()
+    return result
+
+
+def main(argv: list[str]) -> None:
+    spec = EngineSpec(**json.loads(argv[1]))
+    result = run(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    # vLLM's atexit handlers shut the engine down; exit explicitly so a stuck
+    # non-daemon thread cannot keep the test waiting.
+    sys.stdout.flush()
+
+
+def spec_json(spec: EngineSpec) -> str:
+    return json.dumps(asdict(spec))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
