@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.v1.outputs import ECConnectorOutput
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
@@ -22,6 +20,7 @@ from ec_scheduler import ECCPUScheduler
 from ec_worker_cpu import CONNECTOR_NAME, CpuECCPUConnector, CpuECCPUWorker
 from ec_worker_cpu._plugin import register
 from ectools.configs import make_vllm_config
+from ectools.connector_checks import check_connector_resolution
 from ectools.driving import Item, StepDriver, make_request
 
 WIDTH = 128
@@ -115,25 +114,10 @@ def test_shutdown_is_idempotent_and_removes_the_region(connectors: tuple[Any, An
     assert not path.exists()
 
 
-def test_plugin_registers_once_and_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = dict(ECConnectorFactory._registry)
-    registry.pop(CONNECTOR_NAME, None)
-    monkeypatch.setattr(ECConnectorFactory, "_registry", registry)
-    register()
-    register()  # vLLM may load plugins many times
-    assert CONNECTOR_NAME in ECConnectorFactory._registry
-    config = ECTransferConfig(ec_connector=CONNECTOR_NAME, ec_role="ec_both")
-    assert ECConnectorFactory.get_connector_class(config) is CpuECCPUConnector
-
-
-def test_module_path_resolves_without_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = dict(ECConnectorFactory._registry)
-    registry.pop(CONNECTOR_NAME, None)
-    monkeypatch.setattr(ECConnectorFactory, "_registry", registry)
-    config = ECTransferConfig(
-        ec_connector=CONNECTOR_NAME, ec_role="ec_both", ec_connector_module_path="ec_worker_cpu"
+def test_connector_by_module_path_and_by_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_connector_resolution(
+        monkeypatch, CONNECTOR_NAME, "ec_worker_cpu", CpuECCPUConnector, register
     )
-    assert ECConnectorFactory.get_connector_class(config) is CpuECCPUConnector
 
 
 def test_package_and_plugin_imports_are_light() -> None:
