@@ -19,8 +19,8 @@ from ec_core.worker import RankInfo
 from ec_scheduler import ECCPUScheduler
 from ec_worker_cpu import CONNECTOR_NAME, CpuECCPUConnector, CpuECCPUWorker
 from ec_worker_cpu._plugin import register
+from ectools.backend_checks import check_connector_resolution, modules_after_import
 from ectools.configs import make_vllm_config
-from ectools.connector_checks import check_connector_resolution
 from ectools.driving import Item, StepDriver, make_request
 
 WIDTH = 128
@@ -121,17 +121,8 @@ def test_connector_by_module_path_and_by_registered_name(monkeypatch: pytest.Mon
 
 
 def test_package_and_plugin_imports_are_light() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        import ec_worker_cpu, ec_worker_cpu._plugin, ec_core
-        modules = ("torch", "vllm", "ec_worker_cpu.worker", "ec_core.worker")
-        heavy = [m for m in modules if m in sys.modules]
-        print(heavy)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "[]"
+    heavy = ["torch", "vllm", "ec_worker_cpu.worker", "ec_core.worker"]
+    assert modules_after_import(["ec_worker_cpu", "ec_worker_cpu._plugin", "ec_core"], heavy) == []
 
 
 def test_scheduler_role_never_imports_the_worker_module(
