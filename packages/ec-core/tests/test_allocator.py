@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from ec_core.allocator import AllocatorError, BlockAllocator, Entry
@@ -202,8 +204,8 @@ def test_eviction_prefers_single_run_when_one_exists() -> None:
 class _RoguePolicy(LRUPolicy):
     name = "rogue"
 
-    def victim(self) -> str | None:
-        return "pinned"
+    def candidates(self) -> Iterator[str]:
+        yield "pinned"
 
 
 def test_a_policy_cannot_evict_pinned_entries() -> None:
@@ -227,7 +229,7 @@ def test_clear_frees_everything() -> None:
     alloc.mark_ready("b")
     alloc.clear()
     assert len(alloc) == 0 and alloc.num_free_blocks == 5
-    assert alloc.policy.victim() is None
+    assert list(alloc.policy.candidates()) == []
     alloc.check()
 
 

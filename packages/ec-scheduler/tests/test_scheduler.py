@@ -272,7 +272,7 @@ def test_region_full_of_held_entries_skips_saves_and_never_blocks(
 
 
 def test_lru_eviction_through_the_scheduler(make_scheduler: SchedulerFactory) -> None:
-    scheduler = make_scheduler(blocks=16)
+    scheduler = make_scheduler(blocks=16, ec_eviction_policy="lru")
     _save_and_report(scheduler, Item("a"))
     _save_and_report(scheduler, Item("b"))
     # Reload "a": it becomes the most recently used.

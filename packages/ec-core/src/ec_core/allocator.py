@@ -7,17 +7,28 @@ scheduler calls the connector from one thread. Entry states:
     NOT_READY --discard--> gone          READY --evict / drop--> gone
 
 Only READY entries with no pin are evictable. Blocks are handed out as runs
-of consecutive ids, one run per entry whenever the free space allows it, so a
-copy of an entry is one descriptor.
+of consecutive ids, one run per entry whenever possible, so a copy of an entry
+is one descriptor: when no free run is long enough, the allocator evicts a
+cheap *window* of address-adjacent evictable entries — weighed by their rank
+in the policy's victim order — rather than the policy's first victims
+wherever they lie.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from ec_core.extents import FreeExtents, Run
 from ec_core.policy import EvictionPolicy, LRUPolicy
+
+WINDOW_CANDIDATES = 32
+"""How many of the policy's preferred victims are ranked for a window search."""
+_UNRANKED = 2 * WINDOW_CANDIDATES
+"""The rank charged for a neighbour outside the policy's first candidates."""
 
 
 class AllocatorError(RuntimeError):
@@ -79,9 +90,14 @@ class BlockAllocator:
         self._on_evict = on_evict
         self._free = FreeExtents(num_blocks)
         self._entries: dict[str, Entry] = {}
+        # Owner of each allocated run, by its first and by its one-past-last block.
+        self._run_at: dict[int, Entry] = {}
+        self._run_ending: dict[int, Entry] = {}
         self._evictable_blocks = 0
         self._num_evictable = 0
         self.evictions = 0
+        self.last_refusal: Literal["full", "admission"] | None = None
+        """Why the last `alloc` returned None."""
 
     # ------------------------------------------------------------ queries
 
@@ -122,30 +138,144 @@ class BlockAllocator:
 
     # --------------------------------------------------------- transitions
 
+    def note_request(self, key: str) -> None:
+        """Tell the policy someone asked for `key` (feeds its popularity history)."""
+        self.policy.on_request(key)
+
     def alloc(self, key: str, n: int, shape: tuple[int, int] | None = None) -> Entry | None:
         """Allocate `n` blocks for a new, not-ready entry, evicting as needed.
 
         Returns None, having evicted nothing, when `n` exceeds the free plus
-        evictable blocks (an entry larger than the whole pool included).
-        Zero-block entries are legal. A key already present is a caller bug.
+        evictable blocks (an entry larger than the whole pool included;
+        `last_refusal == "full"`) or when the policy does not admit the item
+        (`"admission"`). Zero-block entries are legal. A key already present
+        is a caller bug.
         """
         if key in self._entries:
             raise AllocatorError(f"entry {key!r} already exists")
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
+        self.last_refusal = None
         if not self.can_fit(n):
+            self.last_refusal = "full"
             return None
-        while self._free.total < n:
-            self._evict_one()
-        runs: tuple[Run, ...]
-        if n == 0:
-            runs = ()
-        else:
+        if not self.policy.admit(key, n):
+            self.last_refusal = "admission"
+            return None
+        runs: tuple[Run, ...] = ()
+        if n > 0:
             run = self._free.take_contiguous(n)
-            runs = (run,) if run is not None else tuple(self._free.take_scattered(n))
+            if run is None:
+                run = self._make_room_contiguous(n)
+            if run is not None:
+                runs = (run,)
+            else:
+                while self._free.total < n:
+                    self._evict_one()
+                runs = tuple(self._free.take_scattered(n))
         entry = Entry(key=key, runs=runs, num_blocks=n, shape=shape)
         self._entries[key] = entry
+        for start, length in runs:
+            self._run_at[start] = entry
+            self._run_ending[start + length] = entry
+        self.policy.on_insert(key, n)
         return entry
+
+    def _make_room_contiguous(self, n: int) -> Run | None:
+        """Evict the cheapest window of adjacent evictable entries holding `n` blocks.
+
+        The policy's first WINDOW_CANDIDATES victims are ranked (0 = evict
+        first). Each of them seeds a window around its run, grown over free
+        runs (free of cost) and then over the cheaper evictable neighbour until
+        it spans `n` blocks; a member costs its blocks times (1 + rank), a
+        neighbour the policy did not rank costs as if ranked twice the list's
+        length. The cheapest window wins. None when no window can be formed
+        (pinned or not-ready neighbours everywhere). O(WINDOW_CANDIDATES) seeds,
+        each pruned as soon as it costs more than the best so far.
+        """
+        first = self._entries.get(next(self.policy.candidates(), ""))
+        if first is not None and first.evictable and self._span_with_free(first) >= n:
+            # The policy's own first victim opens a long enough run: the
+            # cheapest window there is (the usual case when sizes are similar).
+            self._evict(first)
+            return self._free.take_contiguous(n)
+        ranks = {
+            key: rank
+            for rank, key in enumerate(
+                itertools.islice(self.policy.candidates(), WINDOW_CANDIDATES)
+            )
+        }
+        best: list[Entry] | None = None
+        best_cost = math.inf
+        for key, rank in ranks.items():
+            seed = self._entries.get(key)
+            if seed is None or not seed.evictable or not seed.runs:
+                continue
+            if seed.num_blocks * (1 + rank) >= best_cost:
+                continue  # its window costs at least the seed itself: no better
+            found = self._grow_window(seed, n, ranks, best_cost)
+            if found is not None:
+                best, best_cost = found
+        if best is None:
+            return None
+        for entry in best:
+            self._evict(entry)
+        return self._free.take_contiguous(n)
+
+    def _span_with_free(self, entry: Entry) -> int:
+        """Blocks in the entry's longest run plus the free runs touching it."""
+        start, length = max(entry.runs, key=lambda run: run[1]) if entry.runs else (0, 0)
+        before = self._free.run_ending_at(start)
+        after = self._free.run_length_at(start + length)
+        return length + (start - before if before is not None else 0) + (after or 0)
+
+    def _grow_window(
+        self, seed: Entry, n: int, ranks: dict[str, int], budget: float
+    ) -> tuple[list[Entry], float] | None:
+        def cost_of(entry: Entry) -> float:
+            return float(entry.num_blocks * (1 + ranks.get(entry.key, _UNRANKED)))
+
+        start, length = max(seed.runs, key=lambda run: run[1])
+        left, right = start, start + length
+        victims = [seed]
+        cost = cost_of(seed)
+        while right - left < n:
+            if cost >= budget:
+                return None
+            free_before = self._free.run_ending_at(left)
+            if free_before is not None:
+                left = free_before
+                continue
+            free_after = self._free.run_length_at(right)
+            if free_after is not None:
+                right += free_after
+                continue
+            options = [
+                (cost_of(neighbour), side, neighbour)
+                for neighbour, side in (
+                    (self._run_ending.get(left), "l"),
+                    (self._run_at.get(right), "r"),
+                )
+                if neighbour is not None and neighbour.evictable and neighbour not in victims
+            ]
+            if not options:
+                return None
+            step_cost, side, neighbour = min(options, key=lambda option: option[0])
+            cost += step_cost
+            victims.append(neighbour)
+            run_start, run_length = self._run_of(neighbour, left if side == "l" else right, side)
+            if side == "l":
+                left = run_start
+            else:
+                right = run_start + run_length
+        return (victims, cost) if cost < budget else None
+
+    @staticmethod
+    def _run_of(entry: Entry, boundary: int, side: str) -> Run:
+        for start, length in entry.runs:
+            if (side == "l" and start + length == boundary) or (side == "r" and start == boundary):
+                return (start, length)
+        raise AssertionError("run index out of date")
 
     def mark_ready(self, key: str) -> Entry:
         """A not-ready entry's bytes are in place: make it loadable and evictable."""
@@ -199,6 +329,8 @@ class BlockAllocator:
         for key in list(self._entries):
             self.policy.on_removed(key)
         self._entries.clear()
+        self._run_at.clear()
+        self._run_ending.clear()
         self._free = FreeExtents(self.num_blocks)
         self._evictable_blocks = 0
         self._num_evictable = 0
@@ -224,6 +356,10 @@ class BlockAllocator:
             assert start == position, f"block {min(start, position)} is owned twice or lost"
             position = start + length
         assert position == self.num_blocks, "free + owned blocks do not cover the pool"
+        assert len(self._run_at) == len(self._run_ending) == len(owned)
+        for entry in self._entries.values():
+            for start, length in entry.runs:
+                assert self._run_at[start] is entry and self._run_ending[start + length] is entry
         assert evictable_blocks == self._evictable_blocks
         assert num_evictable == self._num_evictable
 
@@ -247,11 +383,13 @@ class BlockAllocator:
     def _remove(self, entry: Entry) -> None:
         del self._entries[entry.key]
         for start, length in entry.runs:
+            del self._run_at[start]
+            del self._run_ending[start + length]
             self._free.release(start, length)
         self.policy.on_removed(entry.key)
 
     def _evict_one(self) -> None:
-        key = self.policy.victim()
+        key = next(self.policy.candidates(), None)
         entry = self._entries.get(key) if key is not None else None
         # A policy that names a non-evictable key is broken; refusing here
         # keeps pinned and not-ready entries safe whatever the policy does.
@@ -259,6 +397,11 @@ class BlockAllocator:
             raise AllocatorError(
                 f"policy {self.policy.name!r} named {key!r} as victim, which is not evictable"
             )
+        self._evict(entry)
+
+    def _evict(self, entry: Entry) -> None:
+        if not entry.evictable:
+            raise AllocatorError(f"entry {entry.key!r} is not evictable")
         self._stopped_being_evictable(entry)
         self._remove(entry)
         self.evictions += 1

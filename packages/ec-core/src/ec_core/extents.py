@@ -38,6 +38,14 @@ class FreeExtents:
         """The length of the longest free run (0 when nothing is free)."""
         return int(self._by_size[-1][0]) if self._by_size else 0
 
+    def run_ending_at(self, end: int) -> int | None:
+        """The start of the free run that ends at `end`, if there is one."""
+        return self._by_end.get(end)
+
+    def run_length_at(self, start: int) -> int | None:
+        """The length of the free run that starts at `start`, if there is one."""
+        return self._by_start.get(start)
+
     def runs(self) -> list[Run]:
         """All free runs in address order (for tests and diagnostics)."""
         return sorted(self._by_start.items())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ec_core._vllm import get_logger
-from ec_core.policy import POLICIES
+from ec_core.policy import DEFAULT_POLICY, POLICIES
 from ec_core.sizes import SizeError, format_bytes, parse_byte_size
 
 logger = get_logger(__name__)
@@ -32,7 +32,6 @@ DEFAULT_REGION_DIR = Path("/dev/shm")
 DEFAULT_OPEN_TIMEOUT_S = 120.0
 DEFAULT_REPORT_TIMEOUT_STEPS = 64
 DEFAULT_REPORT_TIMEOUT_S = 30.0
-DEFAULT_POLICY = "lru"
 
 # Keys other parts of vLLM's EC connector family use; passing them to this
 # connector is harmless, so they are not reported as unknown.

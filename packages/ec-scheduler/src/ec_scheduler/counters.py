@@ -33,6 +33,8 @@ class SchedulerCounters:
     """Bytes of encoder output written to the region."""
     saves_skipped_full: int = 0
     """Region full of entries that cannot be evicted now (held)."""
+    saves_not_admitted: int = 0
+    """Saves the eviction policy's admission rule turned down."""
     saves_skipped_oversize: int = 0
     saves_skipped_empty: int = 0
     saves_skipped_unmeasured: int = 0

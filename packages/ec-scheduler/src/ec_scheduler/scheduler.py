@@ -71,7 +71,9 @@ class ECCPUScheduler:
         self._itemsize = self.layout.dtype.itemsize
         self.counters = SchedulerCounters()
         self.allocator = BlockAllocator(
-            self.layout.num_blocks, make_policy(settings.policy), on_evict=self._on_evict
+            self.layout.num_blocks,
+            make_policy(settings.policy, self.layout.num_blocks),
+            on_evict=self._on_evict,
         )
         self.flights = Flights(
             ReportBound(settings.report_timeout_steps, settings.report_timeout_s)
@@ -121,6 +123,7 @@ class ECCPUScheduler:
         if identifier in self._promised or identifier in self._pending_loads:
             return True
         self.counters.lookups += 1
+        self.allocator.note_request(identifier)
         entry = self.allocator.get(identifier)
         if entry is None or not entry.ready or identifier in self._stale:
             return False
@@ -237,9 +240,14 @@ class ECCPUScheduler:
                 self.layout.num_blocks,
             )
             return
+        if not self.is_consumer:
+            self.allocator.note_request(key)  # a consumer counted it at the lookup
         entry = self.allocator.alloc(key, blocks, (rows, width))
         if entry is None:
-            self.counters.saves_skipped_full += 1
+            if self.allocator.last_refusal == "admission":
+                self.counters.saves_not_admitted += 1
+            else:
+                self.counters.saves_skipped_full += 1
             return
         self._pending_saves[key] = entry.block_ids
         self.counters.saves_dispatched += 1

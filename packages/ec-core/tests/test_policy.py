@@ -1,0 +1,103 @@
+"""The eviction policies' own rules (the allocator's safety is tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ec_core.allocator import BlockAllocator
+from ec_core.policy import POLICIES, LRUPolicy, S3LFUPolicy, make_policy
+
+
+def _save(alloc: BlockAllocator, key: str, n: int, *, seen: int = 1) -> bool:
+    for _ in range(seen):
+        alloc.note_request(key)
+    entry = alloc.alloc(key, n)
+    if entry is None:
+        return False
+    alloc.mark_ready(key)
+    return True
+
+
+def _hit(alloc: BlockAllocator, key: str) -> None:
+    alloc.note_request(key)
+    alloc.pin(key)
+    alloc.unpin(key)
+
+
+def test_make_policy_knows_every_configured_name() -> None:
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("s3lfu", 100), S3LFUPolicy)
+    assert set(POLICIES) == {"lru", "s3lfu"}
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        make_policy("fifo")
+
+
+def test_s3lfu_probation_goes_first_and_a_hit_promotes() -> None:
+    alloc = BlockAllocator(100, S3LFUPolicy(100, small_fraction=0.2))
+    policy = alloc.policy
+    for key in "abcd":
+        assert _save(alloc, key, 20)
+    _hit(alloc, "a")  # promoted to main
+    # probation holds b, c, d (60 blocks) > its 20-block share: evicted first, oldest first
+    assert list(policy.candidates())[:3] == ["b", "c", "d"]
+    assert _save(alloc, "e", 30)
+    assert "a" in alloc and "b" not in alloc and "c" not in alloc
+
+
+def test_s3lfu_main_keeps_the_frequent_entries() -> None:
+    alloc = BlockAllocator(60, S3LFUPolicy(60, small_fraction=0.01))
+    for key in ("hot", "warm", "cold"):
+        assert _save(alloc, key, 20)
+        _hit(alloc, key)  # all three in main
+    for _ in range(5):
+        _hit(alloc, "hot")
+    _hit(alloc, "warm")
+    assert _save(alloc, "new", 20, seen=2)
+    assert "cold" not in alloc
+    assert "hot" in alloc and "warm" in alloc
+
+
+def test_s3lfu_ghost_hit_goes_straight_to_main() -> None:
+    alloc = BlockAllocator(40, S3LFUPolicy(40, small_fraction=0.2))
+    assert _save(alloc, "x", 20)
+    assert _save(alloc, "y", 20)
+    assert _save(alloc, "z", 20)  # x leaves probation unhit: remembered in the ghost list
+    assert "x" not in alloc
+    assert _save(alloc, "x", 20)
+    policy = alloc.policy
+    assert isinstance(policy, S3LFUPolicy)
+    assert "x" not in policy._in_small, "a ghost hit enters main directly"
+
+
+def test_s3lfu_stops_saving_first_sightings_that_never_recur() -> None:
+    """A scan of one-off items: after the payoff average drops, most are not saved."""
+    policy = S3LFUPolicy(1000, small_fraction=0.2)
+    alloc = BlockAllocator(1000, policy)
+    saved = sum(_save(alloc, f"scan{i}", 10) for i in range(600))
+    assert policy.first_sighting_payoff < policy.admit_threshold
+    assert saved < 300, "one-offs must stop being written"
+    assert alloc.last_refusal in ("admission", None)
+    # Items seen before are always saved, whatever the mood.
+    alloc.note_request("again")
+    assert _save(alloc, "again", 10)
+
+
+def test_s3lfu_keeps_saving_first_sightings_that_recur_soon() -> None:
+    """Chat-like: every new image is requested again soon after."""
+    policy = S3LFUPolicy(1000, small_fraction=0.2)
+    alloc = BlockAllocator(1000, policy)
+    refused = 0
+    for i in range(600):
+        if not _save(alloc, f"img{i}", 10):
+            refused += 1
+            continue
+        _hit(alloc, f"img{i}")
+    assert refused == 0
+    assert policy.first_sighting_payoff > policy.admit_threshold
+
+
+def test_policy_histories_stay_bounded() -> None:
+    policy = S3LFUPolicy(10)
+    for i in range(200_000):
+        policy.on_request(f"k{i}")
+    assert len(policy._history.counts) <= policy._history.limit
