@@ -68,3 +68,53 @@ def test_package_builds_a_typed_wheel(dist: str, wheels: dict[str, Path]) -> Non
         "installs the right vLLM/torch build for its device"
     )
     assert metadata["Requires-Python"] == ">=3.11"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", sorted(PACKAGES))
+def test_package_installs_alone_into_a_fresh_venv(
+    dist: str, wheels: dict[str, Path], tmp_path: Path
+) -> None:
+    """pip installs each wheel into an empty venv, pulling only its declared
+    dependencies (a backend pulls ec-core and ec-scheduler); the package imports
+    there, and anything that needs vLLM says so clearly."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--find-links",
+            str(wheels[dist].parent),
+            str(wheels[dist]),
+        ],
+        check=True,
+    )
+    module = PACKAGES[dist][0]
+    listing = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    installed = {line.split("==")[0].lower() for line in listing.split()}
+    expected = {dist, *PACKAGES[dist][1]}
+    assert expected <= installed
+    assert not installed & FORBIDDEN_DEPENDENCIES, "no vLLM or torch may be pulled in"
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            f"import {module}; import ec_core\n"
+            "try:\n    import ec_core.metadata\nexcept ImportError as e:\n    print(e)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "needs vLLM >= 0.32.0, which is not installed" in probe.stdout

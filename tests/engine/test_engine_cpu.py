@@ -8,94 +8,54 @@ served by re-encoding or by the region.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import replace
+import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from ectools.engine import EngineSpec, region_files, spec_json
-from ectools.tiny_blip2 import build_tiny_blip2
+from ectools.engine import connector_spec, kill_at, region_files, run_in_subprocess
 
 pytestmark = pytest.mark.engine
-
-ROOT = Path(__file__).resolve().parents[2]
-IMAGES = list(range(10))
-PASSES = [IMAGES, IMAGES]
-TIMEOUT = 900
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
-
-
-def run_engine(spec: EngineSpec) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ectools.engine", spec_json(spec)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=_env(),
-        cwd=ROOT,
-        check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(
-            f"engine failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_blip2(tmp_path_factory.mktemp("tiny-blip2")))
-
-
-@pytest.fixture(scope="module")
-def baseline(model_dir: str) -> list[list[list[int]]]:
-    result = run_engine(EngineSpec(model_dir=model_dir, passes=PASSES))
-    passes: list[list[list[int]]] = result["passes"]
-    assert len({tuple(tokens) for tokens in passes[0]}) >= 8, "images must give distinct outputs"
-    return passes
-
-
-def _with_connector(model_dir: str, region_dir: Path, **changes: Any) -> EngineSpec:
-    spec = EngineSpec(
-        model_dir=model_dir,
-        passes=PASSES,
-        connector="CpuECCPUConnector",
-        module_path="ec_worker_cpu",
-        extra={"ec_cpu_bytes": "4MiB", "ec_cpu_dir": str(region_dir)},
-    )
-    return replace(spec, **changes)
 
 
 def test_outputs_are_token_identical_with_the_connector(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
-    result = run_engine(_with_connector(model_dir, tmp_path))
+    """The default multiprocess engine; its metrics are read from the front end."""
+    result = run_in_subprocess(connector_spec(model_dir, tmp_path, metrics=True))
     assert result["passes"] == baseline
     assert len(result["region_files_while_running"]) == 1
     assert region_files(tmp_path) == [], "a clean shutdown must remove the region file"
+    startup = re.findall(
+        r"EC CPU tier: connector=CpuECCPUConnector role=ec_both "
+        r"backend=CpuECCPUWorker policy=s3lfu region=(\S+) size=\S+ \S+ "
+        r"blocks=(\d+) block_bytes=512",
+        result["log"],
+    )
+    assert len(startup) == 1, "one start-up line with path, size, geometry, role, backend, policy"
+    assert startup[0][0] == str(tmp_path / result["region_files_while_running"][0])
+    metrics = result["metrics"]
+    assert metrics["vllm:ec_cpu_hits"] >= 6
+    assert metrics["vllm:ec_cpu_loads"] == metrics["vllm:ec_cpu_hits"]
+    assert metrics["vllm:ec_cpu_saves"] >= 10
+    assert metrics["vllm:ec_cpu_bytes_saved"] == metrics["vllm:ec_cpu_saves"] * 8 * 512
+    assert metrics["vllm:ec_cpu_bytes_loaded"] == metrics["vllm:ec_cpu_loads"] * 8 * 512
+    assert (
+        metrics["vllm:ec_cpu_misses"]
+        == metrics["vllm:ec_cpu_lookups"] - metrics["vllm:ec_cpu_hits"]
+    )
+    assert metrics["vllm:ec_cpu_region_blocks"] == int(startup[0][1])
+    assert metrics["vllm:ec_cpu_region_entries"] >= 10
+    assert metrics["vllm:ec_cpu_reclaimed"] == metrics["vllm:ec_cpu_saves_failed"] == 0
 
 
 def test_second_sightings_are_loads_registered_name_in_process(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
     """Engine core in-process (its counters are readable); connector by name only."""
-    result = run_engine(_with_connector(model_dir, tmp_path, module_path=None, multiprocess=False))
+    result = run_in_subprocess(
+        connector_spec(model_dir, tmp_path, module_path=None, multiprocess=False)
+    )
     assert result["passes"] == baseline
     counters = result["counters"]
     assert counters is not None
@@ -112,7 +72,7 @@ def test_reloads_use_the_region_bytes(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
     """Overwriting the region between passes changes exactly what was reloaded."""
-    result = run_engine(_with_connector(model_dir, tmp_path, corrupt_after_pass=0))
+    result = run_in_subprocess(connector_spec(model_dir, tmp_path, corrupt_after_pass=0))
     assert result["corrupted_files"] == 1
     assert result["passes"][0] == baseline[0]
     changed = sum(a != b for a, b in zip(result["passes"][1], baseline[1], strict=True))
@@ -122,31 +82,11 @@ def test_reloads_use_the_region_bytes(
 def test_sigkilled_engine_leaves_no_stale_file_after_the_next_start(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
-    spec = _with_connector(model_dir, tmp_path, hold_after_pass=0)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ectools.engine", spec_json(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + TIMEOUT
-        for line in proc.stdout:
-            if line.startswith("READY") or time.monotonic() > deadline:
-                break
-        stale = region_files(tmp_path)
-        assert len(stale) == 1, "the running engine maps exactly one region"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-    time.sleep(1)  # let the kernel reap the engine's worker processes
+    stale = kill_at(connector_spec(model_dir, tmp_path, hold_after_pass=0), "READY")
+    assert len(stale) == 1, "the running engine maps exactly one region"
     assert region_files(tmp_path) == stale, "SIGKILL leaves the file behind"
 
-    result = run_engine(_with_connector(model_dir, tmp_path, multiprocess=False))
+    result = run_in_subprocess(connector_spec(model_dir, tmp_path, multiprocess=False))
     running = result["region_files_while_running"]
     assert len(running) == 1 and running[0] != stale[0].name
     assert not stale[0].exists(), "the next engine must reclaim the dead engine's file"

@@ -9,11 +9,14 @@ runs in-process, the connector's scheduler counters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +42,35 @@ class EngineSpec:
     """Also the size of vLLM's own encoder cache (in embeddings)."""
     max_num_seqs: int = 4
     max_tokens: int = 8
+    """Tokens generated per request."""
     corrupt_after_pass: int | None = None
     """Overwrite the region's blocks with noise after this pass (proves loads are used)."""
     hold_after_pass: int | None = None
     """Print `READY` and sleep after this pass (for kill tests)."""
+    announce_passes: bool = False
+    """Print `RUNNING <n>` before each pass (for kill-during-work tests)."""
+    metrics: bool = False
+    """Enable vLLM's stats and return the connector's Prometheus metrics."""
+
+
+TEST_PASSES = [list(range(10)), list(range(10))]
+"""The engine tests' workload: two passes over 10 images. vLLM's own encoder
+cache holds 4 of them (max_num_batched_tokens=32, 8 embeddings per image), so
+the second pass is served by re-encoding or by the region."""
+
+
+def connector_spec(
+    model_dir: str, region_dir: str | os.PathLike[str], **changes: Any
+) -> EngineSpec:
+    """The engine tests' spec with CpuECCPUConnector (module path, 4 MiB region)."""
+    spec = EngineSpec(
+        model_dir=model_dir,
+        passes=TEST_PASSES,
+        connector="CpuECCPUConnector",
+        module_path="ec_worker_cpu",
+        extra={"ec_cpu_bytes": "4MiB", "ec_cpu_dir": os.fspath(region_dir)},
+    )
+    return replace(spec, **changes)
 
 
 def make_images(count: int, size: int, seed: int = 1000) -> list[Any]:
@@ -101,14 +129,21 @@ def _count_encoded_items(llm: Any) -> list[int] | None:
     return count
 
 
-def _scheduler_counters(llm: Any) -> dict[str, int] | None:
-    """The connector's scheduler counters when the engine core is in-process."""
+def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
+    """The connector's scheduler counters when the engine core is in-process.
+
+    Besides the counters: `held_entries` (not ready or pinned right now) and
+    `in_flight` (copies whose reports are awaited).
+    """
     try:
-        connector = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector
-        counters = connector.scheduler.counters
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector.scheduler
     except AttributeError:
         return None
-    return dict(counters.as_dict())
+    state: dict[str, Any] = dict(scheduler.counters.as_dict())
+    state["region_path"] = str(scheduler.layout.path)
+    state["held_entries"] = scheduler.allocator.num_held_entries
+    state["in_flight"] = len(scheduler.flights.saves) + len(scheduler.flights.loads)
+    return state
 
 
 def run(spec: EngineSpec) -> dict[str, Any]:
@@ -131,6 +166,7 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         "limit_mm_per_prompt": {"image": 1},
         "enforce_eager": True,
         "seed": 0,
+        "disable_log_stats": not spec.metrics,
     }
     if spec.connector is not None:
         kwargs["ec_transfer_config"] = ECTransferConfig(
@@ -152,6 +188,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     region_dir = spec.extra.get("ec_cpu_dir", "/dev/shm")
     for number, indices in enumerate(spec.passes):
         prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": images[i]}} for i in indices]
+        if spec.announce_passes:
+            print(f"RUNNING {number}", flush=True)
         began = time.perf_counter()
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         seconds.append(round(time.perf_counter() - began, 3))
@@ -165,12 +203,90 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     result["passes"] = passes
     result["pass_seconds"] = seconds
     result["counters"] = _scheduler_counters(llm)
+    if spec.metrics:
+        result["metrics"] = {
+            metric.name: metric.value  # type: ignore[attr-defined]
+            for metric in llm.get_metrics()
+            if metric.name.startswith("vllm:ec_cpu_") and hasattr(metric, "value")
+        }
     result["encoded_items"] = encoded[0] if encoded is not None else None
     result["region_files_while_running"] = [p.name for p in region_files(region_dir)]
     del llm
     import gc
 
     gc.collect()
+    return result
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBPROCESS_TIMEOUT = 900
+
+
+def engine_env() -> dict[str, str]:
+    """The environment for an engine subprocess: ectools importable, hub offline."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
+    """Start `python -m ectools.engine SPEC` (stdout piped, text mode)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ectools.engine", spec_json(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=engine_env(),
+        cwd=ROOT,
+        **popen,
+    )
+
+
+def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
+    """Start an engine, SIGKILL its whole process group once it prints a line
+    starting with `line_prefix`, and return the region files it had mapped.
+
+    Returns only after the group is dead and reaped, so the files listed are
+    exactly what a killed engine leaves behind.
+    """
+    directory = spec.extra.get("ec_cpu_dir")
+    if directory is None:
+        raise ValueError("kill_at needs a spec with its own ec_cpu_dir")
+    proc = launch(spec, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(line_prefix):
+                break
+        else:
+            raise AssertionError(f"engine exited (rc {proc.wait()}) before {line_prefix!r}")
+        mapped = region_files(directory)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    time.sleep(1)  # let the kernel reap the engine's worker processes
+    return mapped
+
+
+def run_in_subprocess(spec: EngineSpec) -> dict[str, Any]:
+    """Run one engine in a fresh process; its result, with its output under "log".
+
+    Raises AssertionError with the output's tail when the engine fails.
+    """
+    proc = launch(spec, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"engine failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+        )
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["log"] = out + err
     return result
 
 

@@ -44,6 +44,9 @@ class Handle:
         assert self.done, "released before completion"
         self.released = True
 
+    def elapsed_seconds(self) -> float | None:
+        return 0.25 if self.done else None
+
 
 class HostBackend(ECCPUWorker):
     """Copies in host memory; can defer completion and fail on demand."""
@@ -160,12 +163,14 @@ def test_save_then_load_round_trips_bytes(worker: HostBackend) -> None:
     b_blocks = [40, 41, 7]
     report = _step_save(worker, {"a": saves["a"], "b": b_blocks}, {"a": a, "b": b})
     assert report.completed_saves == ["a", "b"]
+    assert report.stats == {"bytes_saved": (8 + 3) * BLOCK, "save_copy_seconds": 0.25}
     assert worker.submits == [(TransferDirection.DEVICE_TO_HOST, 1 + 2)]
     cache, report = _step_load(
         worker, {"a": (1, saves["a"], (8, WIDTH)), "b": (2, b_blocks, (3, WIDTH))}
     )
     assert report.completed_loads == [1, 2] or report.completed_loads == [2, 1]
     assert sorted(report.load_acks) == [(0, 1), (0, 2)]
+    assert report.stats == {"bytes_loaded": (8 + 3) * BLOCK, "load_copy_seconds": 0.25}
     assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, 3)
     assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b)
     assert cache["a"].shape == (8, WIDTH) and cache["a"].dtype == torch.float32

@@ -472,3 +472,38 @@ def test_fm5_step_cost_does_not_grow_with_region_or_entries(
     big_events = _line_events(big, workload)
     assert small_events > 100, "the trace must have seen the steps"
     assert big_events == small_events, (small_events, big_events)
+
+
+def test_stats_are_deltas_with_gauges_and_worker_figures(make_scheduler: SchedulerFactory) -> None:
+    scheduler = make_scheduler(blocks=64)
+    assert scheduler.get_ec_connector_stats() is None, "nothing happened yet"
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    report = SimulatedRanks().report(meta)
+    report.stats = {"bytes_saved": 4096.0, "save_copy_seconds": 0.002}
+    scheduler.update_connector_output(connector_output(report))
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.data["saves"] == 1
+    assert stats.data["lookups"] == stats.data["misses"] == 1
+    assert stats.data["bytes_saved"] == 4096.0
+    assert stats.data["region_blocks"] == 64
+    assert stats.data["region_used_blocks"] == 8
+    assert stats.data["region_entries"] == 1
+    assert "hits" not in stats.data, "only counters that moved"
+    assert scheduler.get_ec_connector_stats() is None, "deltas are handed over once"
+    meta = StepDriver(scheduler).step([make_request("r2", [Item(H)])]).meta
+    assert scheduler.get_ec_connector_stats().data["hits"] == 1  # type: ignore[union-attr]
+    held = scheduler.stat_totals()["region_held_entries"]
+    assert held == 1, "a load in flight holds its entry"
+
+
+def test_reclaim_warnings_are_rate_limited(
+    make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    scheduler = make_scheduler(ec_report_timeout_steps=1, ec_report_timeout_s=0)
+    StepDriver(scheduler).step([make_request("r", [Item("a"), Item("b"), Item("c")])])
+    for _ in range(3):
+        scheduler.build_connector_meta(scheduler_output())
+    assert scheduler.counters.saves_reclaimed == 3
+    warnings = [r for r in ec_log.records if "was not reported" in r.getMessage()]
+    assert len(warnings) == 1, "one line per period, not one per copy"

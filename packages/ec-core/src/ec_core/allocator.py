@@ -128,6 +128,11 @@ class BlockAllocator:
     def largest_free_run(self) -> int:
         return self._free.largest()
 
+    @property
+    def num_held_entries(self) -> int:
+        """Entries not ready or pinned (not evictable)."""
+        return len(self._entries) - self._num_evictable
+
     def has_held_entries(self) -> bool:
         """True while some entry is not ready or pinned. O(1)."""
         return self._num_evictable != len(self._entries)

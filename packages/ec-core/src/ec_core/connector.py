@@ -17,6 +17,11 @@ import importlib
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+
+from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
+
+# isort: split
+
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -25,7 +30,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ec_core._vllm import get_logger
+from ec_core.layout import RegionLayout
 from ec_core.metadata import ECCPUConnectorMetadata
+from ec_core.sizes import format_bytes
+from ec_core.stats import ECCPUConnectorStats, ECCPUPromMetrics
 from ec_core.worker import ECCPUWorker
 
 if TYPE_CHECKING:
@@ -47,7 +55,11 @@ class SchedulerHalf(Protocol):
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None: ...
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]: ...
     def has_pending_push_work(self) -> bool: ...
+    def get_ec_connector_stats(self) -> ECCPUConnectorStats | None: ...
     def shutdown(self) -> None: ...
+
+    @property
+    def layout(self) -> RegionLayout: ...
 
 
 def import_class(path: str) -> type[Any]:
@@ -73,12 +85,28 @@ class ECCPUConnectorBase(ECConnectorBase):
         self._worker: ECCPUWorker | None = None
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
+            self._log_startup(vllm_config, self._scheduler.layout)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config)
         else:
             raise ValueError(f"unknown EC connector role {role!r}")
 
     # ------------------------------------------------------- construction
+
+    def _log_startup(self, vllm_config: VllmConfig, layout: RegionLayout) -> None:
+        ec_config = vllm_config.ec_transfer_config
+        logger.info(
+            "EC CPU tier: connector=%s role=%s backend=%s policy=%s region=%s size=%s "
+            "blocks=%d block_bytes=%d",
+            type(self).__name__,
+            ec_config.ec_role if ec_config is not None else None,
+            self.worker_class.rpartition(":")[2] or "?",
+            layout.settings.policy,
+            layout.path,
+            format_bytes(layout.nbytes),
+            layout.num_blocks,
+            layout.block_size_bytes,
+        )
 
     def _make_scheduler(self, vllm_config: VllmConfig) -> SchedulerHalf:
         """Build the scheduler half (overridden by ec_scheduler's connector)."""
@@ -158,6 +186,28 @@ class ECCPUConnectorBase(ECConnectorBase):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---------------------------------------------------------- stats
+
+    def get_ec_connector_stats(self) -> ECCPUConnectorStats | None:
+        """The scheduler half's stats; workers' figures arrive in their reports."""
+        if self._scheduler is None:
+            return None
+        return self._scheduler.get_ec_connector_stats()
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECCPUConnectorStats:
+        return ECCPUConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECCPUPromMetrics:
+        return ECCPUPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---------------------------------------------------------- common
 

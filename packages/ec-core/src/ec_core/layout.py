@@ -7,11 +7,12 @@ also open the region. Both derive it here from the same config, so they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ec_core.region import ECSharedRegion
+from ec_core.region import ECSharedRegion, owner_digest, region_file_name
 from ec_core.settings import ECCPUSettings
 
 if TYPE_CHECKING:
@@ -38,6 +39,12 @@ class RegionLayout:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_size_bytes
+
+    @property
+    def path(self) -> Path:
+        """Where this engine's region file lives (what `open_region` maps)."""
+        digest = owner_digest(self.engine_id, self.owner, self.num_blocks, self.block_size_bytes)
+        return self.settings.region_dir / region_file_name(self.engine_id, digest)
 
     def blocks_for(self, rows: int, cols: int, itemsize: int) -> int:
         """Blocks needed to hold a `(rows, cols)` tensor of `itemsize` bytes."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
+
+# isort: split
+
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorMetadata,
     ECConnectorWorkerMetadata,
 )
-
-from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
 
 
 @dataclass
@@ -79,12 +81,16 @@ class ECCPUWorkerReport(ECCPUWorkerMetadata):
       report from one rank is never counted as another rank's.
     * `failed_saves` / `failed_loads`: copies a worker could not perform; the
       scheduler drops a failed save's entry and releases a failed load's pin.
+    * `stats`: figures the worker measured (bytes copied, copy time), summed
+      over ranks — vLLM's V1 runner never asks workers for stats, so they
+      travel here and the scheduler half publishes them.
     """
 
     reporters: list[int] = field(default_factory=list)
     load_acks: list[tuple[int, int]] = field(default_factory=list)
     failed_saves: list[str] = field(default_factory=list)
     failed_loads: list[tuple[int, int]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         """Concatenate every list of `other` onto this report; return self.
@@ -98,4 +104,6 @@ class ECCPUWorkerReport(ECCPUWorkerMetadata):
             self.load_acks.extend(other.load_acks)
             self.failed_saves.extend(other.failed_saves)
             self.failed_loads.extend(other.failed_loads)
+            for name, value in other.stats.items():
+                self.stats[name] = self.stats.get(name, 0.0) + value
         return self

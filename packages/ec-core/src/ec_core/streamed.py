@@ -116,6 +116,16 @@ class StreamHandle:
     def synchronize(self) -> None:
         self.end.synchronize()
 
+    def elapsed_seconds(self) -> float | None:
+        """Device time between the start and end events (timing events)."""
+        timer = getattr(self.start, "elapsed_time", None)
+        if timer is None:
+            return None
+        try:
+            return float(timer(self.end)) / 1000.0
+        except Exception:  # events without timing, or not recorded
+            return None
+
     def release(self) -> None:
         """Give the stream and events back to the worker's pools (once)."""
         if not self._released:

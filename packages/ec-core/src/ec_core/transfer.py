@@ -139,9 +139,15 @@ class TransferHandle(Protocol):
     def release(self) -> None:
         """Return streams, events or buffers to their pools (after completion)."""
 
+    def elapsed_seconds(self) -> float | None:
+        """How long the copies took once landed, if the backend can tell."""
+
 
 class CompletedTransfer:
     """The handle of a synchronous backend: done on return from submit."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = seconds
 
     def query(self) -> bool:
         return True
@@ -152,5 +158,5 @@ class CompletedTransfer:
     def release(self) -> None:
         return None
 
-
-COMPLETED = CompletedTransfer()
+    def elapsed_seconds(self) -> float | None:
+        return self.seconds

@@ -72,6 +72,10 @@ class RankInfo:
     is_save_rank: bool
 
 
+def _add(stats: dict[str, float], name: str, value: float) -> None:
+    stats[name] = stats.get(name, 0.0) + value
+
+
 def detect_rank_info() -> RankInfo:
     """Read the rank from vLLM's initialised process groups.
 
@@ -342,13 +346,18 @@ class ECCPUWorker:
             if not transfer.handle.query():
                 still.append(transfer)
                 continue
+            seconds = transfer.handle.elapsed_seconds()
             transfer.handle.release()
             transfer.keepalive.clear()
             if transfer.direction is TransferDirection.DEVICE_TO_HOST:
                 report.completed_saves.extend(transfer.keys)
+                _add(report.stats, "bytes_saved", transfer.nbytes)
+                _add(report.stats, "save_copy_seconds", seconds or 0.0)
             else:
                 report.completed_loads.extend(transfer.tids)
                 report.load_acks.extend((rank, tid) for tid in transfer.tids)
+                _add(report.stats, "bytes_loaded", transfer.nbytes)
+                _add(report.stats, "load_copy_seconds", seconds or 0.0)
         self._inflight = still
         report.failed_saves.extend(self._failed_saves)
         report.failed_loads.extend((rank, tid) for tid in self._failed_loads)

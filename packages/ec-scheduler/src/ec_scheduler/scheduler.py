@@ -22,6 +22,8 @@ One engine step, in vLLM's call order:
 
 from __future__ import annotations
 
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from ec_core._vllm import get_logger
@@ -30,6 +32,7 @@ from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
 from ec_core.policy import make_policy
 from ec_core.sizes import format_bytes
+from ec_core.stats import COUNTERS, WORKER_COUNTERS, ECCPUConnectorStats
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, LoadFlight, ReportBound, SaveFlight
 
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+
+RECLAIM_WARNING_PERIOD_S = 60.0
 
 
 class ECCPUScheduler:
@@ -95,6 +100,10 @@ class ECCPUScheduler:
         self._participants = 1
         self._warned: set[str] = set()
         self._shut_down = False
+        self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
+        self._last_reclaim_warning = -math.inf
+        self._reclaims_unlogged = 0
+        self._published: dict[str, float] = {}
 
         if self.is_consumer and not self.is_producer:
             logger.warning(
@@ -102,7 +111,7 @@ class ECCPUScheduler:
                 "belongs to this engine alone, so nothing will ever be loaded. Use "
                 "ec_both for a local CPU tier."
             )
-        logger.info(
+        logger.debug(
             "EC CPU tier scheduler: role=%s, %d blocks x %d bytes (%s), policy=%s, "
             "report bound=%d steps and %.1f s",
             ec_config.ec_role,
@@ -295,7 +304,7 @@ class ECCPUScheduler:
         # key look ready: keep the key out of new saves for one more bound.
         self._quarantine[flight.key] = self._worker_step + self.flights.bound.steps + 1
         self.counters.saves_reclaimed += 1
-        logger.warning(
+        self._warn_reclaimed(
             "EC CPU tier: the save of %s was not reported within %d steps and %.1f s; "
             "its blocks are reclaimed",
             flight.key,
@@ -306,7 +315,7 @@ class ECCPUScheduler:
     def _reclaim_load(self, flight: LoadFlight) -> None:
         self._release_pin(flight.key)
         self.counters.loads_reclaimed += 1
-        logger.warning(
+        self._warn_reclaimed(
             "EC CPU tier: load %d of %s was acknowledged by %d of %d ranks within %d "
             "steps and %.1f s; its pin is released",
             flight.tid,
@@ -317,6 +326,24 @@ class ECCPUScheduler:
             self.flights.bound.seconds,
         )
 
+    def _warn_reclaimed(self, message: str, *args: object) -> None:
+        """Warn about a reclaimed copy, at most once per RECLAIM_WARNING_PERIOD_S.
+
+        A worker that stopped reporting would otherwise produce one line per
+        copy; the ones in between are summed into the next warning (and all
+        are counted in the `reclaimed` metric).
+        """
+        now = time.monotonic()
+        if now - self._last_reclaim_warning < RECLAIM_WARNING_PERIOD_S:
+            self._reclaims_unlogged += 1
+            return
+        if self._reclaims_unlogged:
+            message += " (and %d more reclaimed since the previous warning)"
+            args = (*args, self._reclaims_unlogged)
+        logger.warning(message, *args)
+        self._last_reclaim_warning = now
+        self._reclaims_unlogged = 0
+
     # ------------------------------------------------------------ reports
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
@@ -325,6 +352,8 @@ class ECCPUScheduler:
         if not isinstance(report, ECCPUWorkerMetadata) or self._shut_down:
             return
         if isinstance(report, ECCPUWorkerReport):
+            for name in WORKER_COUNTERS:
+                self._worker_totals[name] += report.stats.get(name, 0.0)
             if report.reporters:
                 self._participants = max(self._participants, len(set(report.reporters)))
             for key in report.completed_saves:
@@ -401,6 +430,53 @@ class ECCPUScheduler:
         engine may idle and the report arrives with the next real step.
         """
         return self._empty_steps_reach_workers and bool(self.flights)
+
+    def stat_totals(self) -> dict[str, float]:
+        """Cumulative counters (stats names) and current gauges of this engine."""
+        c = self.counters
+        totals: dict[str, float] = {
+            "lookups": c.lookups,
+            "hits": c.hits,
+            "misses": c.lookups - c.hits,
+            "saves": c.saves_completed,
+            "loads": c.loads_completed,
+            "saves_failed": c.saves_failed,
+            "loads_failed": c.loads_failed,
+            "saves_not_admitted": c.saves_not_admitted,
+            "saves_skipped": c.saves_skipped_full
+            + c.saves_skipped_oversize
+            + c.saves_skipped_empty
+            + c.saves_skipped_unmeasured,
+            "evictions": c.evictions,
+            "reclaimed": c.saves_reclaimed + c.loads_reclaimed,
+            "stale_dropped": c.stale_dropped,
+            **self._worker_totals,
+        }
+        alloc = self.allocator
+        totals["region_blocks"] = alloc.num_blocks
+        totals["region_used_blocks"] = alloc.num_blocks - alloc.num_free_blocks
+        totals["region_entries"] = len(alloc)
+        totals["region_held_entries"] = alloc.num_held_entries
+        return totals
+
+    def get_ec_connector_stats(self) -> ECCPUConnectorStats | None:
+        """What changed since the previous call (counter deltas) and the gauges.
+
+        None when no counter moved, so idle steps cost vLLM nothing.
+        """
+        totals = self.stat_totals()
+        data: dict[str, float] = {}
+        for name, value in totals.items():
+            if name in COUNTERS:
+                delta = value - self._published.get(name, 0.0)
+                if delta:
+                    data[name] = delta
+            else:
+                data[name] = value
+        if not any(name in COUNTERS for name in data):
+            return None
+        self._published = {name: totals[name] for name in COUNTERS}
+        return ECCPUConnectorStats(data=data)
 
     def _on_evict(self, entry: Entry) -> None:
         self.counters.evictions += 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import time
 from collections.abc import Sequence
 
 import torch
 
-from ec_core.transfer import COMPLETED, DescriptorBatch, TransferDirection, TransferHandle
+from ec_core.transfer import CompletedTransfer, DescriptorBatch, TransferDirection, TransferHandle
 from ec_core.worker import ECCPUWorker
 
 _memmove = ctypes.memmove
@@ -52,9 +53,10 @@ class CpuECCPUWorker(ECCPUWorker):
         direction: TransferDirection,
         keepalive: Sequence[torch.Tensor],
     ) -> TransferHandle:
+        began = time.perf_counter()
         for src, dst, size in batch:
             _memmove(dst, src, size)
-        return COMPLETED
+        return CompletedTransfer(time.perf_counter() - began)
 
     def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)

@@ -1,0 +1,157 @@
+"""Connector statistics through vLLM's hooks: interval stats and Prometheus.
+
+The scheduler half hands vLLM an `ECCPUConnectorStats` after every step in
+which something happened (`get_ec_connector_stats`): counter *deltas* since the
+previous hand-over plus the current *gauges*. Worker-side figures (bytes moved,
+copy time) reach the scheduler inside the workers' reports, because vLLM's V1
+runner never asks the worker connector for stats; every rank's figures are
+summed. vLLM ships the stats' `data` to its front end, where
+`build_ec_connector_stats` rebuilds them for the periodic "EC Transfer metrics"
+log line and `build_prom_metrics` exports them as Prometheus families.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
+
+# isort: split
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+PREFIX = "vllm:ec_cpu_"
+
+COUNTERS: dict[str, str] = {
+    "lookups": "Lookups of encoder outputs in the CPU region (vLLM's own cache missed)",
+    "hits": "Lookups answered from the CPU region (encoder runs avoided)",
+    "misses": "Lookups the CPU region could not answer",
+    "saves": "Encoder outputs written to the CPU region",
+    "loads": "Encoder outputs loaded back from the CPU region",
+    "saves_failed": "Saves a worker could not perform",
+    "loads_failed": "Loads a worker could not perform",
+    "saves_not_admitted": "Saves the admission rule turned down",
+    "saves_skipped": "Saves skipped: region full of held entries, oversized or empty items, "
+    "unmeasured modalities",
+    "evictions": "Entries evicted from the CPU region",
+    "bytes_saved": "Bytes of encoder output written to the CPU region (all ranks)",
+    "bytes_loaded": "Bytes of encoder output loaded from the CPU region (all ranks)",
+    "save_copy_seconds": "Time copies into the CPU region took (all ranks)",
+    "load_copy_seconds": "Time copies out of the CPU region took (all ranks)",
+    "reclaimed": "Saves and loads reclaimed because their report never arrived",
+    "stale_dropped": "Entries dropped because their shape no longer matched the request",
+}
+
+GAUGES: dict[str, str] = {
+    "region_blocks": "Blocks in the CPU region (one embedding row each)",
+    "region_used_blocks": "Blocks of the CPU region holding entries",
+    "region_entries": "Entries in the CPU region",
+    "region_held_entries": "Entries being written or loaded (not evictable)",
+}
+
+WORKER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_copy_seconds", "load_copy_seconds")
+"""The counters workers report (in ECCPUWorkerReport.stats)."""
+
+
+@dataclass
+class ECCPUConnectorStats(ECConnectorStats):
+    """Counter deltas and gauge values in one flat, serialisable dict.
+
+    `aggregate` sums counters and keeps the newest gauges; `reduce` returns
+    the figures for the log line, with the hit rate of the interval.
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        for name, value in other.data.items():
+            if name in COUNTERS:
+                self.data[name] = self.data.get(name, 0) + value
+            else:
+                self.data[name] = value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        figures: dict[str, int | float] = {
+            name: self.data[name] for name in (*COUNTERS, *GAUGES) if name in self.data
+        }
+        lookups = self.data.get("lookups", 0)
+        if lookups:
+            figures["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
+        return figures
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)
+
+
+class ECCPUPromMetrics(ECConnectorPromMetrics):
+    """One Prometheus family per counter and gauge, one child per engine.
+
+    Counters are named `vllm:ec_cpu_<name>` (exposed with `_total`), gauges
+    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, help_text in COUNTERS.items():
+            family = self._counter_cls(
+                name=PREFIX + name, documentation=help_text, labelnames=labelnames
+            )
+            self._counters[name] = self._per_engine(family)
+        gauge_cls: Any = self._gauge_cls  # typed as any metric class by vLLM
+        for name, help_text in GAUGES.items():
+            family = gauge_cls(
+                name=PREFIX + name,
+                documentation=help_text,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[name] = self._per_engine(family)
+
+    def _per_engine(self, family: Any) -> dict[int, Any]:
+        return {
+            engine: family.labels(*values) for engine, values in self.per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value > 0:
+                self._counters[name][engine_idx].inc(value)
+            elif name in self._gauges:
+                self._gauges[name][engine_idx].set(value)
+
+
+def build_prom_metrics(
+    vllm_config: VllmConfig,
+    metric_types: dict[type[Any], type[Any]],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> ECCPUPromMetrics:
+    """The connector's `build_prom_metrics` (a classmethod in vLLM's API)."""
+    return ECCPUPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "WORKER_COUNTERS",
+    "ECCPUConnectorStats",
+    "ECCPUPromMetrics",
+    "build_prom_metrics",
+]

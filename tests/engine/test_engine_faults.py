@@ -1,0 +1,97 @@
+"""Faults around a real vLLM CPU engine: lost reports, a region that cannot
+fit, a kill in the middle of the work, two engines on one host."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ectools.engine import (
+    SUBPROCESS_TIMEOUT,
+    TEST_PASSES,
+    connector_spec,
+    kill_at,
+    launch,
+    region_files,
+    run_in_subprocess,
+)
+
+pytestmark = pytest.mark.engine
+
+
+def test_lost_load_reports_are_reclaimed_and_outputs_stay_correct(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """Workers copy but never report loads: pins go after the bound, outputs are right."""
+    spec = connector_spec(
+        model_dir,
+        tmp_path,
+        connector="SilentLoadsConnector",
+        module_path="ectools.faulty",
+        multiprocess=False,
+        passes=[*TEST_PASSES, TEST_PASSES[0]],
+    )
+    spec.extra.update({"ec_report_timeout_steps": 3, "ec_report_timeout_s": 0})
+    result = run_in_subprocess(spec)
+    assert result["passes"] == [*baseline, baseline[0]]
+    counters = result["counters"]
+    assert counters["loads_dispatched"] >= 6
+    assert counters["loads_completed"] == 0
+    assert counters["loads_reclaimed"] >= counters["loads_dispatched"] - counters["in_flight"]
+    assert counters["in_flight"] <= 8, "only the last bound's loads may still be awaited"
+    assert region_files(tmp_path) == []
+
+
+def test_a_region_larger_than_its_directory_stops_the_engine_clearly(
+    model_dir: str, tmp_path: Path
+) -> None:
+    spec = connector_spec(model_dir, tmp_path, multiprocess=False)
+    spec.extra["ec_cpu_bytes"] = "64TiB"
+    proc = launch(spec, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    assert proc.returncode != 0
+    assert proc.returncode != -signal.SIGBUS
+    output = out + err
+    assert "ec_connector_extra_config['ec_cpu_bytes'] asks for" in output
+    assert "free" in output
+    assert region_files(tmp_path) == [], "nothing may be created"
+
+
+def test_sigkill_in_the_middle_of_a_workload(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    spec = connector_spec(model_dir, tmp_path, announce_passes=True, passes=TEST_PASSES * 3)
+    # Killed at once: the second pass (loads and saves) has just begun.
+    stale = kill_at(spec, "RUNNING 1")
+    assert len(stale) == 1
+    assert region_files(tmp_path) == stale, "SIGKILL leaves the file behind"
+    result = run_in_subprocess(connector_spec(model_dir, tmp_path, multiprocess=False))
+    assert not stale[0].exists(), "the next start reclaims the killed engine's region"
+    assert result["passes"] == baseline
+    assert region_files(tmp_path) == []
+
+
+def test_two_engines_on_one_host_get_distinct_regions(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """Both start together over one directory; each has its own file and hits."""
+    spec = connector_spec(model_dir, tmp_path, multiprocess=False, passes=TEST_PASSES * 2)
+    procs = [launch(spec, stderr=subprocess.DEVNULL) for _ in range(2)]
+    results: list[dict[str, Any]] = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+        assert proc.returncode == 0
+        results.append(json.loads(out.splitlines()[-1][len("RESULT ") :]))
+    paths = [r["counters"]["region_path"] for r in results]
+    assert paths[0] != paths[1], "two engines must never share a region"
+    for result in results:
+        assert result["passes"] == baseline * 2
+        assert result["counters"]["loads_completed"] >= 6
+        assert result["counters"]["stale_dropped"] == 0
+        assert result["counters"]["loads_failed"] == result["counters"]["saves_failed"] == 0
+    assert region_files(tmp_path) == []

@@ -1,0 +1,46 @@
+"""The per-device CI matrix and the README's commands point at things that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _legs() -> dict[str, dict[str, object]]:
+    return {leg["device"]: leg for leg in json.loads((ROOT / ".ci/devices.json").read_text())}
+
+
+def test_matrix_has_one_leg_per_device() -> None:
+    legs = _legs()
+    assert set(legs) == {"cpu", "cuda", "ascend"}
+    assert legs["cpu"]["command"] == "bash .ci/run"
+    assert legs["cpu"]["runs-on"] == "ubuntu-latest"
+    for device in ("cuda", "ascend"):
+        assert "self-hosted" in legs[device]["runs-on"]  # type: ignore[operator]
+
+
+def test_every_leg_runs_a_hatch_script_that_exists() -> None:
+    envs = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
+    for leg in _legs().values():
+        for env, script in re.findall(r"hatch run (?:(\w+):)?([\w-]+)", str(leg["command"])):
+            scripts = envs[env or "default"]["scripts"]
+            assert script in scripts, f"{leg['device']}: no script {script!r} in env {env!r}"
+
+
+def test_ci_run_calls_exactly_the_readme_test_command() -> None:
+    run = (ROOT / ".ci/run").read_text().strip().splitlines()
+    assert run[-1] == "exec hatch run test"
+    readme = (ROOT / "README.md").read_text()
+    assert "hatch run test " in readme and "hatch run demo " in readme
+    assert "pip install hatch" in readme
+
+
+def test_workflow_reads_the_legs_from_the_one_list() -> None:
+    workflow = (ROOT / ".github/workflows/ci.yml").read_text()
+    assert ".ci/devices.json" in workflow
+    assert "bash .ci/device ${{ matrix.device }}" in workflow
+    assert "fromJSON(needs.legs.outputs.devices)" in workflow
