@@ -137,21 +137,10 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
                 self._gauges[name][engine_idx].set(value)
 
 
-def build_prom_metrics(
-    vllm_config: VllmConfig,
-    metric_types: dict[type[Any], type[Any]],
-    labelnames: list[str],
-    per_engine_labelvalues: dict[int, list[object]],
-) -> ECCPUPromMetrics:
-    """The connector's `build_prom_metrics` (a classmethod in vLLM's API)."""
-    return ECCPUPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
 __all__ = [
     "COUNTERS",
     "GAUGES",
     "WORKER_COUNTERS",
     "ECCPUConnectorStats",
     "ECCPUPromMetrics",
-    "build_prom_metrics",
 ]
