@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ectools.engine import EngineSpec, spec_json
+from ectools.engine import EngineSpec, launch
 from ectools.tiny_blip2 import HEAVY_VISION, build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,17 +64,9 @@ class Ticker:
 
 
 def run_engine(spec: EngineSpec, label: str, ticker: Ticker) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools"), HF_HUB_OFFLINE="1")
     ticker.say(f"{label}: starting a vLLM CPU engine")
     launched = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ectools.engine", spec_json(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = launch(spec, stderr=subprocess.PIPE)
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True)
     drain.start()
