@@ -233,6 +233,38 @@ def test_fallocate_enospc_is_a_clear_error_and_leaves_no_file(
     assert _region_files(region_dir) == []
 
 
+def test_a_failed_creation_is_undone_before_the_directory_lock_is_released(
+    region_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner waiting for the directory lock must never find the half-made file
+    (it would report "made by another engine or format", the wrong cause)."""
+    lock_held_during_abort: list[bool] = []
+    unlink = ECSharedRegion._unlink_if_ours
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def watched_unlink(self: ECSharedRegion) -> None:
+        probe = os.open(region_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_held_during_abort.append(True)
+        else:
+            lock_held_during_abort.append(False)
+            fcntl.flock(probe, fcntl.LOCK_UN)
+        finally:
+            os.close(probe)
+        unlink(self)
+
+    monkeypatch.setattr(region_mod.os, "posix_fallocate", no_space)
+    monkeypatch.setattr(ECSharedRegion, "_unlink_if_ours", watched_unlink)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ECSharedRegion("half", 4, BLOCK, directory=region_dir)
+    assert lock_held_during_abort == [True]
+    assert _region_files(region_dir) == []
+
+
 def test_madvise_success_uses_two_calls(region_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
     real = region_mod._populate_write

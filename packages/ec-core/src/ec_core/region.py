@@ -139,11 +139,14 @@ class ECSharedRegion:
             with _exclusive_flock(
                 dir_fd, open_timeout_s, what=f"region directory {self.directory}"
             ):
-                _reclaim_stale_regions(dir_fd, self.directory)
-                self._open_or_create(dir_fd)
-        except BaseException:
-            self._abort()
-            raise
+                try:
+                    _reclaim_stale_regions(dir_fd, self.directory)
+                    self._open_or_create(dir_fd)
+                except BaseException:
+                    # Undone while the directory lock is still held: a process
+                    # waiting for it must never find the half-made file.
+                    self._abort()
+                    raise
         finally:
             os.close(dir_fd)
 
