@@ -53,7 +53,7 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
     rows = nbytes // (WIDTH * 2)
     blocks = list(range(rows))  # one run: what the allocator hands out
     source = torch.randn(rows, WIDTH).to(torch.bfloat16)
-    save_meta = ECCPUConnectorMetadata(saves={"e": blocks})
+    save_meta = ECCPUConnectorMetadata(saves={"e": blocks}, save_shapes={"e": (rows, WIDTH)})
     load_meta = ECCPUConnectorMetadata(loads={"e": (0, blocks, (rows, WIDTH))})
     region_addr = worker.region.base_address
     warm = torch.zeros(nbytes, dtype=torch.uint8)

@@ -47,6 +47,7 @@ def test_outputs_are_token_identical_with_the_connector(
     assert metrics["vllm:ec_cpu_region_blocks"] == int(startup[0][1])
     assert metrics["vllm:ec_cpu_region_entries"] >= 10
     assert metrics["vllm:ec_cpu_reclaimed"] == metrics["vllm:ec_cpu_saves_failed"] == 0
+    assert metrics["vllm:ec_cpu_load_fallbacks"] == metrics["vllm:ec_cpu_reports_lost"] == 0
 
 
 def test_second_sightings_are_loads_registered_name_in_process(
@@ -63,7 +64,7 @@ def test_second_sightings_are_loads_registered_name_in_process(
     # Every second-pass image vLLM had forgotten came from the region: no re-encode.
     assert counters["loads_completed"] >= 6
     assert counters["hits"] == counters["loads_dispatched"] == counters["loads_completed"]
-    assert counters["saves_failed"] == counters["loads_failed"] == 0
+    assert counters["saves_failed"] == counters["load_fallbacks"] == 0
     assert counters["saves_reclaimed"] == counters["loads_reclaimed"] == 0
     assert region_files(tmp_path) == []
 
@@ -91,4 +92,23 @@ def test_sigkilled_engine_leaves_no_stale_file_after_the_next_start(
     assert len(running) == 1 and running[0] != stale[0].name
     assert not stale[0].exists(), "the next engine must reclaim the dead engine's file"
     assert result["passes"] == baseline
+    assert region_files(tmp_path) == []
+
+
+def test_tensor_parallel_two_ranks_rank_zero_saves_both_load(
+    tp2_model_dir: str, tp2_baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """TP=2 (two worker processes over one region): outputs as without the tier,
+    only rank 0 writes, every load is performed and acknowledged by both ranks."""
+    result = run_in_subprocess(
+        connector_spec(tp2_model_dir, tmp_path, tensor_parallel_size=2, multiprocess=False)
+    )
+    assert result["passes"] == tp2_baseline
+    counters = result["counters"]
+    loads = counters["loads_completed"]
+    assert loads >= 6 and loads == counters["loads_dispatched"] == counters["hits"]
+    assert counters["saves_by_rank"] == {"0": counters["saves_completed"]}
+    assert counters["saves_completed"] >= 10
+    assert counters["loads_by_rank"] == {"0": loads, "1": loads}
+    assert counters["load_fallbacks"] == counters["reports_lost"] == 0
     assert region_files(tmp_path) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -65,6 +66,24 @@ def run_fake_device_checks(script: Path) -> str:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK: 0 mismatch(es)" in out.stdout
-    assert "round trip rows1024  bytes      exact" in out.stdout
-    assert "load 8 MB" in out.stdout
+    rows = table_rows(out.stdout)
+    # Content, not layout: the column widths follow the measured figures.
+    for size in (16, 100, 577, 1024):
+        assert rows[f"round trip rows{size}"] == ["bytes", "exact"], rows
+    for op in ("save", "load"):
+        for mb in (1, 8):
+            worker, plain, ratio = rows[f"{op} {mb} MB"]
+            assert worker.endswith(" GB/s") and plain.endswith(" GB/s"), rows
+            assert float(ratio) > 0
     return out.stdout
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The rows of a printed table: first cell -> the other cells (cells are
+    separated by two or more spaces)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) > 1:
+            rows[cells[0]] = cells[1:]
+    return rows

@@ -139,7 +139,9 @@ def run_checks(spec: Device, argv: list[str] | None = None) -> int:
             sources[key] = torch.randn(rows, WIDTH, device=device).to(torch.bfloat16)
             saves[key] = list(range(next_block, next_block + rows))
             next_block += rows
-        meta = ECCPUConnectorMetadata(saves=saves)
+        meta = ECCPUConnectorMetadata(
+            saves=saves, save_shapes={key: (len(blocks), WIDTH) for key, blocks in saves.items()}
+        )
         worker.bind(meta)
         for key in saves:
             worker.save_caches(sources, key, meta)
@@ -171,7 +173,9 @@ def run_checks(spec: Device, argv: list[str] | None = None) -> int:
             blocks = list(range(next_block, next_block + rows))
             source = torch.randn(rows, WIDTH, device=device).to(torch.bfloat16)
             pinned = torch.empty(rows, WIDTH, dtype=torch.bfloat16, pin_memory=not args.fake)
-            save_meta = ECCPUConnectorMetadata(saves={"bw": blocks})
+            save_meta = ECCPUConnectorMetadata(
+                saves={"bw": blocks}, save_shapes={"bw": (rows, WIDTH)}
+            )
             load_meta = ECCPUConnectorMetadata(loads={"bw": (0, blocks, (rows, WIDTH))})
             loaded: dict[str, torch.Tensor] = {}
 

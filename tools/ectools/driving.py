@@ -9,10 +9,11 @@ the step's metadata into the reports the real workers would send.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -67,6 +68,18 @@ def connector_output(report: ECCPUWorkerReport | Any | None) -> ECConnectorOutpu
     return ECConnectorOutput(ec_connector_worker_meta=report)
 
 
+def save_meta(
+    sources: Mapping[str, tuple[list[int], torch.Tensor]], *, step: int = 0
+) -> ECCPUConnectorMetadata:
+    """Metadata asking for a save of each `key: (block_ids, 2-D tensor)`, allocated
+    for the tensor's `(rows, cols)`: what the scheduler would send for them."""
+    return ECCPUConnectorMetadata(
+        saves={key: blocks for key, (blocks, _) in sources.items()},
+        save_shapes={key: (int(t.shape[0]), int(t.shape[1])) for key, (_, t) in sources.items()},
+        step=step,
+    )
+
+
 @dataclass
 class StepResult:
     """What one driven step decided."""
@@ -113,7 +126,11 @@ class StepDriver:
 
 
 class SimulatedRanks:
-    """Workers of `ranks` ranks: rank 0 performs saves, every rank performs loads."""
+    """Workers of `ranks` ranks: rank 0 performs saves, every rank performs loads.
+
+    Their copies are instantaneous; `report` says what the real workers would
+    send after performing a step's metadata.
+    """
 
     def __init__(self, ranks: int = 1) -> None:
         self.ranks = ranks
@@ -124,27 +141,38 @@ class SimulatedRanks:
         *,
         ranks: Iterable[int] | None = None,
         fail_saves: Iterable[str] = (),
-        fail_loads: Iterable[int] = (),
+        settled: int | None = None,
+        waiting: Iterable[int] = (),
     ) -> ECCPUWorkerReport:
-        """The aggregated report of `ranks` (default: all) for `meta`."""
+        """The aggregated report of `ranks` (default: all) for `meta`.
+
+        Each reporting rank says it has settled through `settled` (default:
+        `meta.step`, i.e. it ran every earlier step's copies too). Ranks in
+        `waiting` send an empty report that has settled only up to the step
+        before `meta`'s: alive, still busy with it.
+        """
         failed_saves = set(fail_saves)
-        failed_loads = set(fail_loads)
+        through = meta.step if settled is None else settled
         reports = []
         for rank in range(self.ranks) if ranks is None else ranks:
-            report = ECCPUWorkerReport(reporters=[rank])
+            report = ECCPUWorkerReport(progress=[(rank, meta.step, through)], group_size=self.ranks)
             if rank == 0:
                 for key in meta.saves:
                     if key in failed_saves:
-                        report.failed_saves.append(key)
+                        report.failed_saves.append((rank, meta.step, key))
                     else:
                         report.completed_saves.append(key)
+                        report.save_acks.append((rank, meta.step, key))
             for tid, _, _ in meta.loads.values():
-                if tid in failed_loads:
-                    report.failed_loads.append((rank, tid))
-                else:
-                    report.completed_loads.append(tid)
-                    report.load_acks.append((rank, tid))
+                report.completed_loads.append(tid)
+                report.load_acks.append((rank, tid))
             reports.append(report)
+        reports.extend(
+            ECCPUWorkerReport(
+                progress=[(rank, meta.step, min(through, meta.step - 1))], group_size=self.ranks
+            )
+            for rank in waiting
+        )
         head = reports[0]
         for other in reports[1:]:
             head.aggregate(other)

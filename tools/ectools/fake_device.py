@@ -69,6 +69,7 @@ class FakeDeviceRuntime:
         fail_unregister: str | None = None,
         fail_batch_call: int | None = None,
         fail_synchronize_device: bool = False,
+        fail_device_empty: int | None = None,
     ) -> None:
         self.synchronous = synchronous
         self.batch = batch
@@ -77,6 +78,9 @@ class FakeDeviceRuntime:
         self.fail_unregister = fail_unregister
         self.fail_batch_call = fail_batch_call
         self.fail_synchronize_device = fail_synchronize_device
+        self.fail_device_empty = fail_device_empty
+        """Fail the n-th device allocation (1-based), as an out-of-memory would."""
+        self.device_allocations = 0
         self.compute = FakeStream("compute")
         self.current = self.compute
         self.streams: list[FakeStream] = [self.compute]
@@ -171,4 +175,7 @@ class FakeDeviceRuntime:
         self.current.ops.append(lambda: dst.copy_(src))
 
     def device_empty(self, nbytes: int) -> torch.Tensor:
+        self.device_allocations += 1
+        if self.device_allocations == self.fail_device_empty:
+            raise RuntimeError("injected device out of memory")
         return torch.empty(nbytes, dtype=torch.uint8)

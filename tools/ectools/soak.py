@@ -5,20 +5,23 @@
 The main process drives a real `ECCPUScheduler` with random requests (a pool
 of 300 images of 1-40 rows, popular ones more often, now and then an image
 whose content changed); four forked processes each run a real
-`CpuECCPUWorker` over the same region (rank 0 saves, all ranks load). Every
-payload is derived from (key, rows), so each rank checks every load it
-performs byte for byte. Reports are occasionally lost or delivered a step
-late, as a flaky executor would; with `kill_rank_at`, one worker process is
-SIGKILLed mid-run and never reports again (its loads' pins must then be
-reclaimed after the bound). At the end all late reports are delivered,
-the report bound is allowed to pass, and the region is checked: every ready
-entry's bytes are read back, no block is owned twice, free + owned = pool,
-nothing is held. Prints the counts; exits 1 if anything is corrupted or leaked.
+`CpuECCPUWorker` over the same region (rank 0 saves, all ranks load), whose
+copies are made asynchronous: each batch lands 0 to 2 x bound + 2 steps after
+it was submitted, in any order, some well past the report bound. Every
+payload is derived from (key, rows), so each rank checks every load byte for
+byte when it lands. Reports are occasionally lost or delivered a step late,
+as a flaky executor would; with `kill_rank_at`, one worker process is
+SIGKILLed mid-run and never reports again (it must be declared gone, and the
+copies it owed no longer waited for). At the end all late reports are
+delivered, every copy lands, and the region is checked: every ready entry's
+bytes are read back, no block is owned twice, free + owned = pool, nothing
+is held. Prints the counts; exits 1 if anything is corrupted or leaked.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import os
 import random
@@ -26,6 +29,7 @@ import signal
 import sys
 import tempfile
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,6 +39,7 @@ import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.region import ECSharedRegion
+from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle
 from ec_core.worker import RankInfo
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
@@ -54,31 +59,115 @@ def payload(key: str, rows: int) -> torch.Tensor:
     return torch.randn(rows, WIDTH, generator=generator)
 
 
-def _worker(config: Any, rank: int, pipe: Connection) -> None:
+@dataclass
+class _Delayed:
+    """One batch of copies that lands when its step comes (or at once when due now)."""
+
+    copies: list[tuple[int, int, int]]
+    due: int
+    on_landed: list[Callable[[], None]] = field(default_factory=list)
+    landed: bool = False
+
+    def land(self) -> None:
+        if not self.landed:
+            for src, dst, size in self.copies:
+                ctypes.memmove(dst, src, size)
+            self.landed = True
+            for callback in self.on_landed:
+                callback()
+
+    # TransferHandle
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.land()
+
+    def release(self) -> None:
+        return None
+
+    def elapsed_seconds(self) -> float | None:
+        return None
+
+
+def _copy_delay(rng: random.Random) -> int:
+    """Steps until a batch lands: mostly at once, sometimes well past the report bound."""
+    roll = rng.random()
+    if roll < 0.70:
+        return 0
+    if roll < 0.90:
+        return rng.randint(1, 2)
+    if roll < 0.98:
+        return rng.randint(3, BOUND_STEPS)
+    return rng.randint(BOUND_STEPS + 1, 2 * BOUND_STEPS + 2)
+
+
+def _worker(config: Any, rank: int, seed: int, pipe: Connection) -> None:
     torch.set_num_threads(1)  # a forked child must not enter torch's OpenMP pool
     from ec_worker_cpu.worker import CpuECCPUWorker
 
-    worker = CpuECCPUWorker(config, rank_info=RankInfo(rank, rank == 0))
+    rng = random.Random(seed * 1000 + rank)
+    step = [0]
+    pending: list[_Delayed] = []
+    stats = {"corrupted": 0, "checked": 0, "past_bound": 0}
+
+    class DelayedCpuWorker(CpuECCPUWorker):
+        """The CPU backend with asynchronous copies that land some steps later."""
+
+        def _submit_transfer(
+            self,
+            batch: DescriptorBatch,
+            direction: TransferDirection,
+            keepalive: Sequence[torch.Tensor],
+        ) -> TransferHandle:
+            delay = _copy_delay(rng)
+            stats["past_bound"] += delay > BOUND_STEPS
+            handle = _Delayed(list(batch), step[0] + delay)
+            pending.append(handle)
+            return handle
+
+    def check_on_landing(handle: _Delayed, loads: list[tuple[str, torch.Tensor, int]]) -> None:
+        # Like a device's compute stream, the consumer reads a load only once it has landed.
+        def check() -> None:
+            for key, tensor, rows in loads:
+                stats["checked"] += 1
+                if not torch.equal(tensor, payload(key, rows)):
+                    stats["corrupted"] += 1
+
+        handle.on_landed.append(check)
+
+    def land_due() -> None:
+        due = [h for h in pending if h.due <= step[0]]
+        rng.shuffle(due)  # batches of different steps land in any order
+        for handle in due:
+            handle.land()
+            pending.remove(handle)
+
+    worker = DelayedCpuWorker(config, rank_info=RankInfo(rank, rank == 0, RANKS))
     pipe.send("ready")
     while True:
         meta = pipe.recv()
         if meta is None:
             break
+        step[0] += 1
         cache: dict[str, torch.Tensor] = {}
         worker.bind(meta)
+        submitted = len(pending)
         worker.start_load_caches(cache, meta)
-        corrupted = 0
-        for key, (_, _, (rows, _)) in meta.loads.items():
-            if key not in cache or not torch.equal(cache[key], payload(key, rows)):
-                corrupted += 1
+        if len(pending) > submitted:
+            loads = [(key, cache[key], rows) for key, (_, _, (rows, _)) in meta.loads.items()]
+            check_on_landing(pending[-1], loads)
         if rank == 0:
-            for key, blocks in meta.saves.items():
-                cache[key] = payload(key, len(blocks))
+            for key, (rows, _) in meta.save_shapes.items():
+                cache[key] = payload(key, rows)
                 worker.save_caches(cache, key, meta)
         worker.get_finished()
-        pipe.send((worker.build_connector_worker_meta(), corrupted, len(meta.loads)))
+        land_due()
+        pipe.send(worker.build_connector_worker_meta())
+    for handle in pending:
+        handle.land()
     worker.shutdown()
-    pipe.send("closed")
+    pipe.send(stats)
 
 
 @dataclass
@@ -88,9 +177,16 @@ class SoakResult:
     loads_checked: int = 0
     corrupted_loads: int = 0
     reports_lost: int = 0
+    """Worker reports the flaky executor dropped."""
     reports_late: int = 0
+    """Worker reports it delivered a step late."""
     ranks_killed: int = 0
-    reclaimed: int = 0
+    copies_past_bound: int = 0
+    """Batches that landed more steps after submission than the report bound."""
+    overdue: int = 0
+    """Copies the scheduler found unreported past the bound (their blocks stayed held)."""
+    settled_without_report: int = 0
+    """Copies the scheduler settled because their rank had moved past them."""
     evictions: int = 0
     stale_dropped: int = 0
     entries_verified_at_rest: int = 0
@@ -131,7 +227,7 @@ def run_soak(
     pipes, procs = [], []
     for rank in range(RANKS):
         ours, theirs = context.Pipe()
-        proc = context.Process(target=_worker, args=(config, rank, theirs), daemon=True)
+        proc = context.Process(target=_worker, args=(config, rank, seed, theirs), daemon=True)
         proc.start()
         pipes.append(ours)
         procs.append(proc)
@@ -166,9 +262,7 @@ def run_soak(
         arrived: list[ECCPUWorkerReport] = list(late)
         late.clear()
         for pipe in alive:
-            report, corrupted, checked = pipe.recv()
-            result.corrupted_loads += corrupted
-            result.loads_checked += checked
+            report = pipe.recv()
             roll = rng.random() if flaky else 1.0
             if roll < 0.01:
                 result.reports_lost += 1
@@ -196,17 +290,21 @@ def run_soak(
                     make_request(f"s{number}r{r}", [Item(k, rows_of[k]) for k in unique])
                 )
             run_step(driver.step(requests).meta, flaky=True)
-        # Drain: late reports arrive, then the bound passes with idle steps.
+        # Drain: late reports arrive, then idle steps until every delayed copy
+        # has landed and been reported.
         deliver(late)
         late.clear()
-        for _ in range(BOUND_STEPS + 2):
+        for _ in range(2 * BOUND_STEPS + 4):
             run_step(scheduler.build_connector_meta(scheduler_output()), flaky=False)
         _check_at_rest(scheduler, region, result)
     finally:
         for pipe in alive:
             pipe.send(None)
         for pipe in alive:
-            pipe.recv()
+            stats = pipe.recv()
+            result.loads_checked += stats["checked"]
+            result.corrupted_loads += stats["corrupted"]
+            result.copies_past_bound += stats["past_bound"]
         for proc in procs:
             proc.join(60)
         region.cleanup()
@@ -217,14 +315,17 @@ def run_soak(
 def _check_at_rest(scheduler: ECCPUScheduler, region: ECSharedRegion, result: SoakResult) -> None:
     counters = scheduler.counters
     result.saves = counters.saves_completed
-    result.reclaimed = counters.saves_reclaimed + counters.loads_reclaimed
+    result.overdue = counters.saves_reclaimed + counters.loads_reclaimed
+    result.settled_without_report = counters.reports_lost
     result.evictions = counters.evictions
     result.stale_dropped = counters.stale_dropped
     allocator = scheduler.allocator
     allocator.check()  # no block owned twice; free + owned runs cover the pool
     owned = sum(entry.num_blocks for entry in allocator)
     result.leaked_blocks = allocator.num_blocks - allocator.num_free_blocks - owned
-    result.held_at_end = allocator.num_held_entries + len(scheduler.flights.saves)
+    result.held_at_end = (
+        allocator.num_held_entries + len(scheduler.flights.saves) + len(scheduler.flights.loads)
+    )
     for entry in allocator:
         if not entry.ready or entry.shape is None:
             continue

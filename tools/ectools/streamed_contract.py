@@ -22,6 +22,7 @@ from ec_core.streamed import StreamedECCPUWorker
 from ec_core.transfer import TransferDirection
 from ec_core.worker import RankInfo
 from ectools.configs import make_vllm_config
+from ectools.driving import save_meta
 from ectools.fake_device import FakeDeviceRuntime
 
 WIDTH = 128
@@ -54,11 +55,13 @@ def streamed_factory(
 
 
 __all__ = [
+    "test_a_failed_load_allocation_falls_back_for_that_entry",
+    "test_a_failed_load_batch_is_drained_then_copied_synchronously",
     "test_async_round_trip_reports_only_after_landing",
     "test_descriptor_limit_splits_batches",
     "test_each_rank_registers_its_own_mapping",
     "test_failed_registration_warns_once_and_copies_still_work",
-    "test_failed_submission_returns_everything_and_reports",
+    "test_failed_submission_returns_everything_and_copies_synchronously",
     "test_region_is_cleaned_up_when_the_backend_fails_to_shut_down",
     "test_registration_covers_the_block_area_page_rounded",
     "test_shutdown_order_and_idempotence",
@@ -70,7 +73,7 @@ __all__ = [
 def _save(
     worker: StreamedECCPUWorker, saves: dict[str, tuple[list[int], torch.Tensor]]
 ) -> ECCPUWorkerReport:
-    meta = ECCPUConnectorMetadata(saves={k: blocks for k, (blocks, _) in saves.items()})
+    meta = save_meta(saves)
     worker.bind(meta)
     cache = {k: t for k, (_, t) in saves.items()}
     for key in saves:
@@ -187,17 +190,48 @@ def test_without_a_batched_api_each_run_is_one_async_copy(make: Factory) -> None
     assert torch.equal(cache["f"], data)
 
 
-def test_failed_submission_returns_everything_and_reports(make: Factory) -> None:
+def test_failed_submission_returns_everything_and_copies_synchronously(make: Factory) -> None:
     worker, runtime = make(synchronous=True, max_batch_descriptors=1, fail_batch_call=2)
-    report = _save(worker, {"s": ([0, 2], torch.randn(2, WIDTH))})
-    assert report.failed_saves == ["s"] and report.completed_saves == []
+    data = torch.randn(2, WIDTH)
+    report = _save(worker, {"s": ([0, 2], data)})
+    assert report.save_acks == [(0, 0, "s")] and report.fallbacks == [(0, "save")]
     assert ("synchronize_stream", "side1") in runtime.log, "partial work is drained"
     assert len(worker._stream_pool) == 1 and len(worker._event_pool) == 2
     good = torch.randn(2, WIDTH)
     assert _save(worker, {"t": ([5, 6], good)}).completed_saves == ["t"]
     assert len([e for e in runtime.log if e[0] == "new_stream"]) == 1, "no stream leaked"
-    cache, _ = _load(worker, {"t": (3, [5, 6], (2, WIDTH))})
-    assert torch.equal(cache["t"], good)
+    cache, report = _load(worker, {"t": (3, [5, 6], (2, WIDTH)), "s": (4, [0, 2], (2, WIDTH))})
+    assert torch.equal(cache["t"], good) and torch.equal(cache["s"], data)
+    assert report.fallbacks == []
+
+
+def test_a_failed_load_batch_is_drained_then_copied_synchronously(make: Factory) -> None:
+    """The batch's second chunk fails: its first chunk is drained, every entry still loads."""
+    worker, runtime = make(max_batch_descriptors=1)
+    a, b = torch.randn(2, WIDTH), torch.randn(3, WIDTH)
+    _save(worker, {"a": ([0, 1], a), "b": ([10, 20, 30], b)})
+    runtime.complete()
+    assert sorted(_idle_step(worker).completed_saves) == ["a", "b"]
+    runtime.fail_batch_call = len(runtime.batch_calls) + 2
+    cache, report = _load(
+        worker, {"a": (1, [0, 1], (2, WIDTH)), "b": (2, [10, 20, 30], (3, WIDTH))}
+    )
+    assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b), "landed before return"
+    assert report.fallbacks == [(0, "load"), (0, "load")]
+    assert sorted(report.load_acks) == [(0, 1), (0, 2)]
+    assert any(e[0] == "synchronize_stream" for e in runtime.log), "the side stream was drained"
+    assert len(worker._stream_pool) == 1, "stream back in the pool"
+
+
+def test_a_failed_load_allocation_falls_back_for_that_entry(make: Factory) -> None:
+    worker, runtime = make(synchronous=True)
+    a, b = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    _save(worker, {"a": ([0, 1], a), "b": ([4, 5], b)})
+    runtime.fail_device_empty = runtime.device_allocations + 1  # a's batched buffer
+    cache, report = _load(worker, {"a": (1, [0, 1], (2, WIDTH)), "b": (2, [4, 5], (2, WIDTH))})
+    assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b)
+    assert report.fallbacks == [(0, "load")]
+    assert runtime.batch_calls[-1] == (TransferDirection.HOST_TO_DEVICE, 1), "b went batched"
 
 
 def test_shutdown_order_and_idempotence(make: Factory) -> None:

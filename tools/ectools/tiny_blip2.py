@@ -45,6 +45,10 @@ class TinyBlip2:
         return "blip2-" + "-".join(f"{v}" for v in asdict(self).values())
 
 
+TWO_WAY_SPLITTABLE = TinyBlip2(vision_hidden=128)
+"""The default sizes with two vision heads, so every tower splits over 2 tensor-parallel
+ranks (vLLM shards attention heads; the default vision tower has one)."""
+
 HEAVY_VISION = TinyBlip2(image_size=224, patch=16, vision_hidden=384, vision_layers=12)
 """A vision tower that costs real time per image on a CPU (~0.1-0.2 s)."""
 

@@ -16,7 +16,7 @@ def test_free_extents_merge_neighbours() -> None:
     assert free.take_contiguous(3) == (0, 3)
     assert free.take_contiguous(3) == (3, 3)
     assert free.take_contiguous(4) == (6, 4)
-    assert free.total == 0 and free.largest() == 0
+    assert free.total == 0 and free.runs() == []
     free.release(3, 3)
     free.release(0, 3)
     free.release(6, 4)
@@ -31,7 +31,7 @@ def test_free_extents_best_fit_keeps_long_runs() -> None:
     free.release(0, 2)  # run of 2
     free.release(6, 6)  # run of 6
     assert free.take_contiguous(2) == (0, 2)  # the short run, not the long one
-    assert free.largest() == 6
+    assert max(length for _, length in free.runs()) == 6
     assert free.take_contiguous(7) is None
     free.check()
 

@@ -1,4 +1,4 @@
-"""The seed's metadata dataclasses."""
+"""The metadata dataclasses: vLLM's in-tree design's two, and this project's report."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
 
 
 def test_types_subclass_vllm_bases() -> None:
@@ -19,11 +19,13 @@ def test_types_subclass_vllm_bases() -> None:
     assert issubclass(ECCPUWorkerMetadata, ECConnectorWorkerMetadata)
 
 
-def test_fields_and_defaults_match_the_seed() -> None:
+def test_fields_and_defaults_match_the_in_tree_design() -> None:
+    """The in-tree design's fields come first with its types; additions have defaults."""
     fields = {f.name: f for f in dataclasses.fields(ECCPUConnectorMetadata)}
-    assert list(fields) == ["saves", "loads"]
+    assert list(fields) == ["saves", "loads", "step", "save_shapes"]
     assert fields["saves"].type == "dict[str, list[int]]"
     assert fields["loads"].type == "dict[str, tuple[int, list[int], tuple[int, int]]]"
+    assert ECCPUConnectorMetadata({"a": [1]}, {}).step == 0
     worker_fields = {f.name: f for f in dataclasses.fields(ECCPUWorkerMetadata)}
     assert list(worker_fields) == ["completed_saves", "completed_loads"]
     assert worker_fields["completed_saves"].type == "list[str]"
@@ -56,6 +58,17 @@ def test_metadata_round_trips_through_pickle() -> None:
     assert pickle.loads(pickle.dumps(meta)) == meta
     report = ECCPUWorkerMetadata(["a"], [3, 3])
     assert pickle.loads(pickle.dumps(report)) == report
+    full = ECCPUWorkerReport(
+        ["a"],
+        [3],
+        progress=[(0, 4, 4)],
+        save_acks=[(0, 4, "a")],
+        failed_saves=[(0, 4, "b")],
+        load_acks=[(0, 3)],
+        fallbacks=[(0, "load")],
+        stats={"bytes_loaded": 8.0},
+    )
+    assert pickle.loads(pickle.dumps(full)) == full
 
 
 def test_aggregate_concatenates_and_returns_self() -> None:
@@ -68,6 +81,25 @@ def test_aggregate_concatenates_and_returns_self() -> None:
     assert result.completed_saves == ["a", "b"]
     assert result.completed_loads == [1, 2, 1, 2, 2]
     assert rank1.completed_loads == [1, 2]
+
+
+def test_report_aggregate_concatenates_every_list_and_sums_stats() -> None:
+    rank0 = ECCPUWorkerReport(
+        ["a"], [1], progress=[(0, 5, 5)], save_acks=[(0, 5, "a")], load_acks=[(0, 1)]
+    )
+    rank0.stats = {"bytes_loaded": 8.0}
+    rank1 = ECCPUWorkerReport(
+        [], [1], progress=[(1, 5, 4)], load_acks=[(1, 1)], fallbacks=[(1, "load")]
+    )
+    rank1.stats = {"bytes_loaded": 8.0, "load_copy_seconds": 0.5}
+    rank1.failed_saves.append((1, 5, "x"))
+    merged = rank0.aggregate(rank1).aggregate(ECCPUWorkerMetadata(["c"], [2]))
+    assert merged is rank0 and isinstance(merged, ECCPUWorkerReport)
+    assert merged.progress == [(0, 5, 5), (1, 5, 4)]
+    assert merged.save_acks == [(0, 5, "a")] and merged.failed_saves == [(1, 5, "x")]
+    assert merged.load_acks == [(0, 1), (1, 1)] and merged.fallbacks == [(1, "load")]
+    assert merged.completed_saves == ["a", "c"] and merged.completed_loads == [1, 1, 2]
+    assert merged.stats == {"bytes_loaded": 16.0, "load_copy_seconds": 0.5}
 
 
 class _Foreign(ECConnectorWorkerMetadata):

@@ -80,7 +80,6 @@ def test_settings_defaults(tmp_path: Path) -> None:
     assert settings.cpu_bytes == 1024**2
     assert settings.region_dir == DEFAULT_REGION_DIR
     assert settings.open_timeout_s > 0
-    assert "1.00 MiB" in settings.describe()
 
 
 def test_settings_custom_dir_and_timeout(tmp_path: Path) -> None:

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ec_core.stats import COUNTERS, GAUGES, ECCPUConnectorStats, ECCPUPromMetrics
+from ec_core.stats import (
+    COUNTERS,
+    GAUGES,
+    ECCPUConnectorStats,
+    ECCPUPromMetrics,
+    parse_rank_copy_key,
+    rank_copy_key,
+)
 
 
 def test_stats_aggregate_sums_counters_and_keeps_newest_gauges() -> None:
@@ -23,6 +30,19 @@ def test_stats_aggregate_sums_counters_and_keeps_newest_gauges() -> None:
     assert not first.is_empty()
     first.reset()
     assert first.is_empty() and first.data == {}
+
+
+def test_per_rank_copy_counts_are_counters_and_reach_the_log_line() -> None:
+    first = ECCPUConnectorStats(data={"rank_copies:load_fallback:1": 2, "region_entries": 3})
+    second = ECCPUConnectorStats(data={"rank_copies:load_fallback:1": 1, "load_fallbacks": 1})
+    first.aggregate(second)
+    assert first.data["rank_copies:load_fallback:1"] == 3
+    assert not first.is_empty()
+    assert first.reduce()["rank_copies:load_fallback:1"] == 3
+    assert ECCPUConnectorStats(data={"rank_copies:load:0": 0}).is_empty()
+    assert parse_rank_copy_key(rank_copy_key("save_fallback", 4)) == ("save_fallback", "4")
+    assert parse_rank_copy_key("rank_copies:bogus:1") is None
+    assert parse_rank_copy_key("hits") is None
 
 
 def test_gauges_alone_are_empty() -> None:
@@ -62,3 +82,9 @@ def test_prometheus_families_per_engine(registry: CollectorRegistry) -> None:
     assert value("vllm:ec_cpu_bytes_loaded_total", {"model_name": "m", "engine": "1"}) == 4096
     assert value("vllm:ec_cpu_region_entries", {"model_name": "m", "engine": "1"}) == 5
     assert value("vllm:ec_cpu_misses_total", {"model_name": "m", "engine": "1"}) == 0
+    prom.observe({"rank_copies:load_fallback:1": 2, "load_fallbacks": 2}, engine_idx=0)
+    prom.observe({"rank_copies:load_fallback:1": 1, "rank_copies:load:0": 4}, engine_idx=0)
+    per_rank = {"model_name": "m", "engine": "0", "rank": "1", "op": "load_fallback"}
+    assert value("vllm:ec_cpu_rank_copies_total", per_rank) == 3
+    assert value("vllm:ec_cpu_rank_copies_total", {**per_rank, "rank": "0", "op": "load"}) == 4
+    assert value("vllm:ec_cpu_load_fallbacks_total", {"model_name": "m", "engine": "0"}) == 2

@@ -13,7 +13,7 @@ import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle, block_runs
-from ec_core.worker import ECCPUWorker, RankInfo
+from ec_core.worker import ECCPULoadError, ECCPUWorker, RankInfo
 from ectools.configs import make_vllm_config
 
 WIDTH = 128
@@ -59,6 +59,10 @@ class HostBackend(ECCPUWorker):
         self.submits: list[tuple[TransferDirection, int]] = []
         self.handles: list[Handle] = []
         self.fail_next_submit = False
+        self.fail_allocations = 0
+        """Fail this many device buffer allocations from now on."""
+        self.fail_copy_now = False
+        self.copies_now = 0
         self.fail_shutdown = False
         super().__init__(*args, **kwargs)
 
@@ -85,7 +89,16 @@ class HostBackend(ECCPUWorker):
         return handle
 
     def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.fail_allocations:
+            self.fail_allocations -= 1
+            raise RuntimeError("injected out of device memory")
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.fail_copy_now:
+            raise RuntimeError("injected synchronous copy failure")
+        self.copies_now += 1
+        super()._copy_now(dst, src)
 
     def _shutdown_transfer_backend(self) -> None:
         self.events.append("backend-shutdown")
@@ -113,9 +126,19 @@ def worker(config_factory: Any) -> Iterator[HostBackend]:
 
 
 def _step_save(
-    w: ECCPUWorker, saves: dict[str, list[int]], cache: dict[str, torch.Tensor]
+    w: ECCPUWorker,
+    saves: dict[str, list[int]],
+    cache: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, int]] | None = None,
 ) -> ECCPUWorkerReport:
-    meta = ECCPUConnectorMetadata(saves=saves)
+    """One step saving `cache[key]` into `saves[key]`, allocated for `shapes[key]`
+    (default: the tensor's own shape)."""
+    meta = ECCPUConnectorMetadata(
+        saves=saves,
+        save_shapes=shapes
+        if shapes is not None
+        else {key: (int(cache[key].shape[0]), int(cache[key].shape[1])) for key in saves},
+    )
     w.bind(meta)
     w.start_load_caches(cache, meta)
     for key in saves:
@@ -194,7 +217,7 @@ def test_partial_last_block_preserves_the_rest_of_the_region(worker: HostBackend
     # 1.5 blocks worth of data: rows of half width would not fit a block exactly,
     # so use a bf16-sized payload through a (3, 64) fp32 tensor: 768 bytes.
     src = torch.randn(3, 64)
-    meta = ECCPUConnectorMetadata(saves={"p": [5, 6]})
+    meta = ECCPUConnectorMetadata(saves={"p": [5, 6]}, save_shapes={"p": (3, 64)})
     worker.bind(meta)
     worker.save_caches({"p": src}, "p", meta)
     worker.get_finished()
@@ -206,33 +229,57 @@ def test_partial_last_block_preserves_the_rest_of_the_region(worker: HostBackend
 
 
 @pytest.mark.parametrize(
-    ("tensor", "blocks", "needle"),
+    ("tensor", "shape", "needle"),
     [
-        (torch.randn(9, WIDTH), 8, "allocated"),  # larger than its allocation
-        (torch.randn(2, WIDTH), 8, "allocated"),  # far smaller: the scheduler's size is wrong
-        (torch.randn(8, WIDTH, dtype=torch.float64).float().half(), 8, "dtype"),
+        (torch.randn(9, WIDTH), (8, WIDTH), "shape"),  # larger than its allocation
+        (torch.randn(2, WIDTH), (8, WIDTH), "shape"),  # far smaller
+        (torch.randn(4, 2 * WIDTH), (8, WIDTH), "shape"),  # same bytes, other rows x width
+        (torch.randn(8 * WIDTH), (8, WIDTH), "shape"),  # same bytes, 1-D
+        (torch.randn(8, WIDTH).half(), (8, WIDTH), "dtype"),
+        (torch.randn(8, WIDTH), None, "no shape"),
     ],
 )
 def test_bad_saves_are_skipped_with_a_warning(
     worker: HostBackend,
     ec_log: pytest.LogCaptureFixture,
     tensor: torch.Tensor,
-    blocks: int,
+    shape: tuple[int, int] | None,
     needle: str,
 ) -> None:
-    worker.region.blocks[:blocks].fill_(5)
-    report = _step_save(worker, {"bad": list(range(blocks))}, {"bad": tensor})
-    assert report.failed_saves == ["bad"] and report.completed_saves == []
-    assert torch.all(worker.region.blocks[:blocks] == 5), "nothing may be written"
+    worker.region.blocks[:8].fill_(5)
+    meta = ECCPUConnectorMetadata(
+        saves={"bad": list(range(8))}, save_shapes={} if shape is None else {"bad": shape}
+    )
+    worker.bind(meta)
+    worker.save_caches({"bad": tensor}, "bad", meta)
+    worker.get_finished()
+    report = worker.build_connector_worker_meta()
+    assert report.failed_saves == [(0, 0, "bad")] and report.completed_saves == []
+    assert torch.all(worker.region.blocks[:8] == 5), "nothing may be written"
     assert any(needle in r.getMessage() for r in ec_log.records if r.levelno == logging.WARNING)
 
 
+def test_rejected_save_warnings_are_rate_limited(
+    worker: HostBackend, ec_log: pytest.LogCaptureFixture
+) -> None:
+    for step in range(5):
+        report = _step_save(
+            worker,
+            {f"bad{step}": [0, 1]},
+            {f"bad{step}": torch.randn(3, WIDTH)},
+            {f"bad{step}": (2, WIDTH)},
+        )
+        assert report.failed_saves == [(0, 0, f"bad{step}")]
+    lines = [r.getMessage() for r in ec_log.records if "not saving" in r.getMessage()]
+    assert len(lines) == 1 and "bad0" in lines[0]
+
+
 def test_a_save_never_produced_is_reported_failed(worker: HostBackend) -> None:
-    meta = ECCPUConnectorMetadata(saves={"ghost": [0]})
+    meta = ECCPUConnectorMetadata(saves={"ghost": [0]}, save_shapes={"ghost": (1, WIDTH)}, step=3)
     worker.bind(meta)
     worker.get_finished()
     report = worker.build_connector_worker_meta()
-    assert report.failed_saves == ["ghost"]
+    assert report.failed_saves == [(0, 3, "ghost")]
     assert worker.submits == []
 
 
@@ -244,7 +291,7 @@ def test_non_save_rank_loads_but_never_saves(config_factory: Any) -> None:
         data = torch.randn(4, WIDTH)
         report1 = _step_save(rank1, {"k": [0, 1, 2, 3]}, {"k": data})
         assert report1.completed_saves == [] and report1.failed_saves == []
-        assert report1.reporters == [1]
+        assert report1.progress == [(1, 0, 0)]
         _step_save(rank0, {"k": [0, 1, 2, 3]}, {"k": data})
         cache, report = _step_load(rank1, {"k": (9, [0, 1, 2, 3], (4, WIDTH))})
         assert report.load_acks == [(1, 9)]
@@ -254,32 +301,102 @@ def test_non_save_rank_loads_but_never_saves(config_factory: Any) -> None:
         rank0.shutdown()
 
 
-def test_every_step_reports_its_rank(worker: HostBackend) -> None:
-    meta = ECCPUConnectorMetadata()
-    worker.bind(meta)
-    worker.start_load_caches({}, meta)
-    worker.get_finished()
-    report = worker.build_connector_worker_meta()
-    assert isinstance(report, ECCPUWorkerReport)
-    assert report.reporters == [0]
-    assert report.completed_saves == report.completed_loads == []
+def test_every_step_reports_its_rank_and_progress(worker: HostBackend) -> None:
+    for step in (1, 2, 5):
+        meta = ECCPUConnectorMetadata(step=step)
+        worker.bind(meta)
+        worker.start_load_caches({}, meta)
+        worker.get_finished()
+        report = worker.build_connector_worker_meta()
+        assert isinstance(report, ECCPUWorkerReport)
+        assert report.progress == [(0, step, step)]
+        assert report.completed_saves == report.completed_loads == []
     assert worker.submits == []
 
 
-def test_failed_submissions_are_reported_and_the_worker_stays_usable(
+def test_a_failed_load_submission_falls_back_to_a_synchronous_copy(
     worker: HostBackend, ec_log: pytest.LogCaptureFixture
 ) -> None:
+    """The batched path raises: the load is still published, byte for byte, and counted."""
+    good = torch.randn(3, WIDTH)
+    other = torch.randn(2, WIDTH)
+    _step_save(worker, {"t": [2, 3, 9], "u": [20, 21]}, {"t": good, "u": other})
     worker.fail_next_submit = True
+    cache, report = _step_load(
+        worker, {"t": (4, [2, 3, 9], (3, WIDTH)), "u": (5, [20, 21], (2, WIDTH))}
+    )
+    assert torch.equal(cache["t"], good) and torch.equal(cache["u"], other)
+    assert sorted(report.load_acks) == [(0, 4), (0, 5)]
+    assert report.fallbacks == [(0, "load"), (0, "load")]
+    assert report.stats["bytes_loaded"] == 5 * BLOCK
+    assert worker.copies_now == 3, "one synchronous copy per run of blocks"
+    assert any("synchronously" in r.getMessage() for r in ec_log.records)
+    cache, report = _step_load(worker, {"t": (6, [2, 3, 9], (3, WIDTH))})
+    assert torch.equal(cache["t"], good) and report.fallbacks == [], "batched again"
+    assert worker.num_inflight == 0
+
+
+def test_a_failed_load_buffer_falls_back_for_that_entry_only(worker: HostBackend) -> None:
+    a, b = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    _step_save(worker, {"a": [0, 1], "b": [4, 5]}, {"a": a, "b": b})
+    worker.fail_allocations = 1  # the first entry's buffer (a, lower blocks)
+    cache, report = _step_load(worker, {"a": (1, [0, 1], (2, WIDTH)), "b": (2, [4, 5], (2, WIDTH))})
+    assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b)
+    assert report.fallbacks == [(0, "load")]
+    assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, 1), "b went batched"
+    assert sorted(report.load_acks) == [(0, 1), (0, 2)]
+
+
+def test_a_load_no_path_can_make_names_entry_backend_and_causes(worker: HostBackend) -> None:
+    _step_save(worker, {"img-7": [0, 1]}, {"img-7": torch.randn(2, WIDTH)})
+    worker.fail_next_submit = True
+    worker.fail_copy_now = True
+    meta = ECCPUConnectorMetadata(loads={"img-7": (3, [0, 1], (2, WIDTH))})
+    worker.bind(meta)
+    with pytest.raises(ECCPULoadError) as info:
+        worker.start_load_caches({}, meta)
+    message = str(info.value)
+    assert "'img-7'" in message and "HostBackend" in message and "rank 0" in message
+    assert "injected submit failure" in message and "injected synchronous copy failure" in message
+    worker.fail_allocations = 2  # the batched buffer and the fallback's
+    with pytest.raises(ECCPULoadError, match="injected out of device memory"):
+        worker.start_load_caches({}, meta)
+
+
+def test_a_load_outside_the_region_is_refused_before_any_copy(worker: HostBackend) -> None:
+    meta = ECCPUConnectorMetadata(loads={"x": (1, [254, 255, 256], (3, WIDTH))})
+    worker.bind(meta)
+    with pytest.raises(ECCPULoadError, match="outside the region"):
+        worker.start_load_caches({}, meta)
+    meta = ECCPUConnectorMetadata(loads={"y": (2, [0], (3, WIDTH))})  # too few blocks
+    with pytest.raises(ECCPULoadError, match="too few"):
+        worker.start_load_caches({}, meta)
+    assert worker.submits == []
+
+
+def test_a_failed_save_submission_falls_back_to_a_synchronous_copy(worker: HostBackend) -> None:
+    data = torch.randn(2, WIDTH)
+    worker.fail_next_submit = True
+    report = _step_save(worker, {"s": [0, 1]}, {"s": data})
+    assert report.completed_saves == ["s"] and report.save_acks == [(0, 0, "s")]
+    assert report.fallbacks == [(0, "save")] and report.failed_saves == []
+    cache, _ = _step_load(worker, {"s": (1, [0, 1], (2, WIDTH))})
+    assert torch.equal(cache["s"], data)
+
+
+def test_a_save_no_path_can_make_is_reported_failed(
+    worker: HostBackend, ec_log: pytest.LogCaptureFixture
+) -> None:
+    worker.region.blocks[:2].fill_(9)
+    worker.fail_next_submit = True
+    worker.fail_copy_now = True
     report = _step_save(worker, {"s": [0, 1]}, {"s": torch.randn(2, WIDTH)})
-    assert report.failed_saves == ["s"] and report.completed_saves == []
+    assert report.failed_saves == [(0, 0, "s")] and report.completed_saves == []
+    assert report.fallbacks == []
+    assert any("injected synchronous copy failure" in r.getMessage() for r in ec_log.records)
+    worker.fail_copy_now = False
     good = torch.randn(2, WIDTH)
     assert _step_save(worker, {"t": [2, 3]}, {"t": good}).completed_saves == ["t"]
-    worker.fail_next_submit = True
-    cache, report = _step_load(worker, {"t": (4, [2, 3], (2, WIDTH))})
-    assert cache == {} and report.failed_loads == [(0, 4)]
-    cache, report = _step_load(worker, {"t": (5, [2, 3], (2, WIDTH))})
-    assert torch.equal(cache["t"], good) and report.load_acks == [(0, 5)]
-    assert worker.num_inflight == 0
 
 
 def test_completion_is_reported_only_when_the_copy_landed(config_factory: Any) -> None:
@@ -289,15 +406,24 @@ def test_completion_is_reported_only_when_the_copy_landed(config_factory: Any) -
     w = Deferred(config_factory(), rank_info=RankInfo(0, True))
     try:
         data = torch.randn(2, WIDTH)
-        report = _step_save(w, {"d": [0, 1]}, {"d": data})
-        assert report.completed_saves == []
-        assert w.num_inflight == 1
-        w.handles[0].complete()
-        meta = ECCPUConnectorMetadata()
+        meta = ECCPUConnectorMetadata(saves={"d": [0, 1]}, save_shapes={"d": (2, WIDTH)}, step=4)
         w.bind(meta)
+        w.save_caches({"d": data}, "d", meta)
         w.get_finished()
         report = w.build_connector_worker_meta()
-        assert report.completed_saves == ["d"]
+        assert report.completed_saves == []
+        assert report.progress == [(0, 4, 3)], "step 4's save may still write"
+        assert w.num_inflight == 1
+        for step in (5, 6):  # later steps do not settle past the copy in flight
+            w.bind(ECCPUConnectorMetadata(step=step))
+            w.get_finished()
+            assert w.build_connector_worker_meta().progress == [(0, step, 3)]
+        w.handles[0].complete()
+        w.bind(ECCPUConnectorMetadata(step=7))
+        w.get_finished()
+        report = w.build_connector_worker_meta()
+        assert report.completed_saves == ["d"] and report.save_acks == [(0, 4, "d")]
+        assert report.progress == [(0, 7, 7)]
         assert w.handles[0].released
         assert w.num_inflight == 0
     finally:

@@ -130,13 +130,17 @@ def test_tp_reports_are_counted_per_rank(make_scheduler: SchedulerFactory) -> No
         assert entry is not None
         for rank in range(ranks):
             assert entry.pins == 1, f"released after {rank} of {ranks} ranks"
-            report = sim.report(meta, ranks=[rank])
-            report.reporters = list(range(ranks))  # every rank sends a (possibly empty) report
+            # The other ranks report too, still busy with this step.
+            others = [r for r in range(ranks) if r > rank]
+            report = sim.report(meta, ranks=[rank], settled=meta.step - 1, waiting=others)
             scheduler.update_connector_output(connector_output(report))
             # The same rank reporting again is not another rank.
-            scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[rank])))
+            again = sim.report(meta, ranks=[rank], settled=meta.step - 1, waiting=others)
+            scheduler.update_connector_output(connector_output(again))
         assert entry.pins == 0
         assert scheduler.counters.loads_completed == 1
+        assert scheduler.counters.loads_by_rank == dict.fromkeys(range(ranks), 1)
+        assert scheduler.counters.saves_by_rank == {0: 1}
 
 
 def test_reports_out_of_order_and_interleaved(make_scheduler: SchedulerFactory) -> None:
@@ -146,24 +150,64 @@ def test_reports_out_of_order_and_interleaved(make_scheduler: SchedulerFactory) 
     driver = StepDriver(scheduler)
     m1 = driver.step([make_request("1", [Item("a")])]).meta
     m2 = driver.step([make_request("2", [Item("b")])]).meta
-    scheduler.update_connector_output(connector_output(sim.report(m2, ranks=[1])))
-    scheduler.update_connector_output(connector_output(sim.report(m1, ranks=[0])))
+    # Rank 1 finished m2 before m1: it has not settled past m1 yet.
+    early = sim.report(m2, ranks=[1], settled=m1.step - 1)
+    scheduler.update_connector_output(connector_output(early))
+    scheduler.update_connector_output(connector_output(sim.report(m1, ranks=[0], settled=m1.step)))
     scheduler.update_connector_output(connector_output(sim.report(m2, ranks=[0])))
     assert scheduler.allocator.get("b").pins == 0  # type: ignore[union-attr]
     assert scheduler.allocator.get("a").pins == 1  # type: ignore[union-attr]
     scheduler.update_connector_output(connector_output(sim.report(m1, ranks=[1])))
     assert scheduler.allocator.get("a").pins == 0  # type: ignore[union-attr]
+    assert scheduler.counters.reports_lost == 0
 
 
-def test_plain_seed_metadata_counts_occurrences(make_scheduler: SchedulerFactory) -> None:
+def test_a_lost_report_settles_once_every_rank_has_moved_past_it(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """No timeout needed: a later report saying the rank settled past the copy suffices."""
     scheduler = make_scheduler()
-    _save_and_report(scheduler, Item(H), ranks=2)
+    sim = SimulatedRanks(2)
+    _save_and_report(scheduler, Item("a"), ranks=2)
+    driver = StepDriver(scheduler)
+    load = driver.step([make_request("1", [Item("a")])]).meta
+    save = driver.step([make_request("2", [Item("b")])]).meta
+    scheduler.update_connector_output(
+        connector_output(sim.report(load, ranks=[0], settled=load.step))
+    )
+    later = scheduler.build_connector_meta(scheduler_output())
+    # Rank 1's report of the load and rank 0's of the save are lost; both ranks move on.
+    scheduler.update_connector_output(connector_output(sim.report(later, ranks=[1])))
+    entry = scheduler.allocator.get("a")
+    assert entry is not None and entry.pins == 0, "rank 0 reported it, rank 1 moved past it"
+    saving = scheduler.allocator.get("b")
+    assert saving is not None and not saving.ready, "rank 0 has not moved past the save yet"
+    scheduler.update_connector_output(connector_output(sim.report(later, ranks=[0])))
+    assert "b" not in scheduler.allocator, "a save without its report is discarded, never ready"
+    assert scheduler.counters.reports_lost == 2
+    assert scheduler.counters.loads_completed == 1
+    assert not scheduler.flights and not scheduler.allocator.has_held_entries()
+    # The lost reports arriving after all are ignored.
+    ignored = scheduler.counters.reports_ignored
+    scheduler.update_connector_output(connector_output(sim.report(save, ranks=[0])))
+    scheduler.update_connector_output(connector_output(sim.report(load, ranks=[1])))
+    assert "b" not in scheduler.allocator
+    assert scheduler.counters.reports_ignored == ignored + 2
+
+
+def test_a_plain_worker_metadata_is_ignored_and_counted(
+    make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """Only ECCPUWorkerReport carries ranks and steps; a bare report cannot be applied safely."""
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
     meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
     tid = meta.loads[H][0]
-    scheduler.update_connector_output(connector_output(ECCPUWorkerMetadata([], [tid])))
+    for _ in range(2):
+        scheduler.update_connector_output(connector_output(ECCPUWorkerMetadata([], [tid])))
     assert scheduler.allocator.get(H).pins == 1  # type: ignore[union-attr]
-    scheduler.update_connector_output(connector_output(ECCPUWorkerMetadata([], [tid])))
-    assert scheduler.allocator.get(H).pins == 0  # type: ignore[union-attr]
+    assert scheduler.counters.reports_ignored == 2
+    assert len([r for r in ec_log.records if "ignoring a worker report" in r.getMessage()]) == 1
 
 
 def test_async_scheduling_next_step_before_previous_output(
@@ -195,11 +239,26 @@ def test_update_connector_output_ignores_foreign_and_unknown(
     scheduler = make_scheduler()
     scheduler.update_connector_output(connector_output(None))
     scheduler.update_connector_output(connector_output(Foreign()))
-    scheduler.update_connector_output(
-        connector_output(ECCPUWorkerReport(["nope"], [99], reporters=[0], load_acks=[(0, 99)]))
+    unknown = ECCPUWorkerReport(
+        progress=[(0, 0, 0)], save_acks=[(0, 1, "nope")], load_acks=[(0, 99)]
     )
-    assert scheduler.counters.reports_ignored == 2
+    scheduler.update_connector_output(connector_output(unknown))
+    assert scheduler.counters.reports_ignored == 3
     assert len(scheduler.allocator) == 0
+
+
+def test_a_save_report_of_another_step_is_not_taken_for_this_one(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler()
+    meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
+    stale = ECCPUWorkerReport(
+        progress=[(0, meta.step - 1, meta.step - 1)], save_acks=[(0, meta.step - 1, H)]
+    )
+    scheduler.update_connector_output(connector_output(stale))
+    assert not scheduler.allocator.get(H).ready  # type: ignore[union-attr]
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    assert scheduler.allocator.get(H).ready  # type: ignore[union-attr]
 
 
 def test_failed_save_drops_the_entry(make_scheduler: SchedulerFactory) -> None:
@@ -213,18 +272,26 @@ def test_failed_save_drops_the_entry(make_scheduler: SchedulerFactory) -> None:
     assert not scheduler.allocator.has_held_entries()
 
 
-def test_failed_load_releases_the_pin_and_retires_the_entry(
+def test_fallbacks_are_counted_per_rank_and_the_load_still_completes(
     make_scheduler: SchedulerFactory,
 ) -> None:
+    """Rank 1 copied synchronously: the load is complete, and the counters say who fell back."""
     scheduler = make_scheduler()
-    _save_and_report(scheduler, Item(H))
+    _save_and_report(scheduler, Item(H), ranks=2)
+    scheduler.get_ec_connector_stats()
     meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
-    tid = meta.loads[H][0]
-    scheduler.update_connector_output(
-        connector_output(SimulatedRanks().report(meta, fail_loads=[tid]))
-    )
-    assert H not in scheduler.allocator
-    assert scheduler.counters.loads_failed == 1
+    report = SimulatedRanks(2).report(meta)
+    report.fallbacks.append((1, "load"))
+    scheduler.update_connector_output(connector_output(report))
+    counters = scheduler.counters
+    assert counters.loads_completed == 1 and counters.load_fallbacks == 1
+    assert counters.load_fallbacks_by_rank == {1: 1} and counters.save_fallbacks_by_rank == {}
+    stats = scheduler.get_ec_connector_stats()
+    assert stats is not None
+    assert stats.data["load_fallbacks"] == 1 and stats.data["loads"] == 1
+    assert stats.data["rank_copies:load_fallback:1"] == 1
+    assert stats.data["rank_copies:load:0"] == stats.data["rank_copies:load:1"] == 1
+    assert "rank_copies:load_fallback:0" not in stats.data
 
 
 def test_has_pending_push_work_v1_and_v2(make_scheduler: SchedulerFactory) -> None:
@@ -340,76 +407,119 @@ def test_fm2_unsaveable_items_warn_once_and_do_not_raise(
     assert len(scheduler.allocator) == 0
 
 
-def test_fm3_lost_save_is_reclaimed_and_the_engine_can_idle(
+def test_fm3_unreported_save_is_overdue_and_the_engine_can_idle(
     make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
 ) -> None:
     clock = [1000.0]
     scheduler = make_scheduler(v2=True, ec_report_timeout_steps=3, ec_report_timeout_s=5)
-    scheduler.flights.clock = lambda: clock[0]
+    scheduler.settlement.set_clock(lambda: clock[0])
     driver = StepDriver(scheduler)
     driver.step([make_request("r", [Item(H)])])  # never reported
     assert scheduler.has_pending_push_work()
     for _ in range(5):  # steps pass but not the time
         scheduler.build_connector_meta(scheduler_output())
-    assert H in scheduler.allocator, "a fast burst of steps alone must not reclaim"
+    assert scheduler.has_pending_push_work(), "a fast burst of steps alone is not the bound"
     clock[0] += 10
     scheduler.build_connector_meta(scheduler_output())
-    assert H not in scheduler.allocator
-    assert not scheduler.has_pending_push_work()
-    assert not scheduler.allocator.has_held_entries()
+    assert not scheduler.has_pending_push_work(), "the engine may idle"
     assert scheduler.counters.saves_reclaimed == 1
-    assert any("was not reported" in r.getMessage() for r in ec_log.records)
+    assert any("is unreported after" in r.getMessage() for r in ec_log.records)
+    entry = scheduler.allocator.get(H)
+    assert entry is not None and not entry.ready, "its blocks stay held: the copy may still land"
 
 
-def test_fm3_idle_time_alone_does_not_reclaim(make_scheduler: SchedulerFactory) -> None:
+def test_fm3_idle_time_alone_does_not_make_a_copy_overdue(
+    make_scheduler: SchedulerFactory,
+) -> None:
     clock = [0.0]
     scheduler = make_scheduler(ec_report_timeout_steps=3, ec_report_timeout_s=5)
-    scheduler.flights.clock = lambda: clock[0]
+    scheduler.settlement.set_clock(lambda: clock[0])
     meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
     clock[0] += 3600  # an hour of idling: no steps reached the workers
     scheduler.build_connector_meta(scheduler_output(num_tokens=0))
-    assert H in scheduler.allocator
+    assert scheduler.counters.saves_reclaimed == 0
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
     assert scheduler.has_cache_item(H)
 
 
-def test_fm3_lost_load_report_releases_the_pin(make_scheduler: SchedulerFactory) -> None:
-    clock = [0.0]
+def test_fm3_blocks_of_an_overdue_load_are_held_until_its_rank_settles(
+    make_scheduler: SchedulerFactory,
+) -> None:
     scheduler = make_scheduler(ec_report_timeout_steps=2, ec_report_timeout_s=0)
-    scheduler.flights.clock = lambda: clock[0]
     _save_and_report(scheduler, Item(H), ranks=2)
+    sim = SimulatedRanks(2)
     meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
-    scheduler.update_connector_output(connector_output(SimulatedRanks(2).report(meta, ranks=[0])))
-    assert scheduler.allocator.get(H).pins == 1  # type: ignore[union-attr]
-    for _ in range(3):
-        clock[0] += 1
-        scheduler.build_connector_meta(scheduler_output())
+    scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[0], waiting=[1])))
+    for _ in range(4):
+        step = scheduler.build_connector_meta(scheduler_output())
+        report = sim.report(step, ranks=[0], waiting=[1])
+        report.progress[-1] = (1, step.step, meta.step - 1)  # rank 1 still reads the load's blocks
+        scheduler.update_connector_output(connector_output(report))
     entry = scheduler.allocator.get(H)
-    assert entry is not None and entry.pins == 0 and entry.evictable
+    assert entry is not None and entry.pins == 1 and not entry.evictable
     assert scheduler.counters.loads_reclaimed == 1
-    # The straggler's report after the reclaim is ignored, not a double unpin.
-    scheduler.update_connector_output(connector_output(SimulatedRanks(2).report(meta, ranks=[1])))
+    assert scheduler.counters.loads_completed == 0, "one rank has not finished it"
+    scheduler.update_connector_output(connector_output(sim.report(step, ranks=[1])))
+    assert entry.pins == 0 and entry.evictable
+    assert scheduler.counters.loads_completed == 1
+    # The straggler's own report after it settled is ignored, not a double unpin.
+    scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[1])))
     assert entry.pins == 0
 
 
-def test_fm3_late_report_after_reclaim_does_not_make_a_new_save_ready(
+def test_fm3_a_rank_that_falls_silent_is_declared_gone(
+    make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """A dead rank stops reporting while the others run on: its loads stop being waited for."""
+    scheduler = make_scheduler(ec_report_timeout_steps=2, ec_report_timeout_s=0)
+    _save_and_report(scheduler, Item(H), ranks=2)
+    sim = SimulatedRanks(2)
+    driver = StepDriver(scheduler)
+    meta = driver.step([make_request("r", [Item(H)])]).meta
+    entry = scheduler.allocator.get(H)
+    assert entry is not None
+    scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[0])))
+    for _ in range(3):  # the same report again and again: no step ran, nobody is silent
+        scheduler.update_connector_output(connector_output(sim.report(meta, ranks=[0])))
+    assert scheduler.settlement.ranks.gone == set() and entry.pins == 1
+    for number in range(3):  # rank 0 runs three more steps, rank 1 says nothing
+        step = scheduler.build_connector_meta(scheduler_output())
+        scheduler.update_connector_output(connector_output(sim.report(step, ranks=[0])))
+        assert entry.pins == (1 if number < 1 else 0), number
+    assert scheduler.settlement.ranks.gone == {1}
+    assert any("treated as gone" in r.getMessage() for r in ec_log.records)
+    second = driver.step([make_request("r2", [Item(H)])]).meta
+    scheduler.update_connector_output(connector_output(sim.report(second, ranks=[0])))
+    assert entry.pins == 0, "one live rank left"
+    # It comes back: live again, with a warning.
+    scheduler.update_connector_output(connector_output(sim.report(second, ranks=[1])))
+    assert scheduler.settlement.ranks.live == {0, 1}
+    assert any("reports again" in r.getMessage() for r in ec_log.records)
+
+
+def test_fm3_a_copy_slower_than_the_bound_keeps_its_blocks_until_it_lands(
     make_scheduler: SchedulerFactory,
 ) -> None:
-    clock = [0.0]
-    scheduler = make_scheduler(ec_report_timeout_steps=1, ec_report_timeout_s=0)
-    scheduler.flights.clock = lambda: clock[0]
+    """The issue's corruption: save A overdue, its blocks reused for B, A lands late on B.
+
+    Blocks of an overdue save are not reused while its rank has not settled
+    past it; when its report does arrive, the entry becomes ready after all.
+    """
+    scheduler = make_scheduler(blocks=8, ec_report_timeout_steps=1, ec_report_timeout_s=0)
     driver = StepDriver(scheduler)
-    lost = driver.step([make_request("r", [Item(H)])]).meta
-    for _ in range(3):
-        scheduler.build_connector_meta(scheduler_output())
-    assert H not in scheduler.allocator
-    # The key is quarantined for a bound: no new save that a late report could confuse.
-    assert driver.step([make_request("r2", [Item(H)])]).meta.saves == {}
-    scheduler.update_connector_output(connector_output(SimulatedRanks().report(lost)))
-    assert H not in scheduler.allocator
-    for _ in range(3):
-        scheduler.build_connector_meta(scheduler_output())
-    assert H in driver.step([make_request("r3", [Item(H)])]).meta.saves
+    slow = driver.step([make_request("a", [Item("A")])]).meta
+    assert slow.saves["A"] == list(range(8)), "A takes the whole region"
+    for _ in range(3):  # the rank runs on, its copy of A still in flight
+        step = scheduler.build_connector_meta(scheduler_output())
+        report = SimulatedRanks().report(step, settled=slow.step - 1)
+        scheduler.update_connector_output(connector_output(report))
+    assert scheduler.counters.saves_reclaimed == 1
+    b = driver.step([make_request("b", [Item("B")])]).meta
+    assert b.saves == {}, "no block of A may go to B while A's copy can still land"
+    landed = SimulatedRanks().report(slow, settled=b.step)
+    scheduler.update_connector_output(connector_output(landed))
+    assert scheduler.allocator.get("A").ready  # type: ignore[union-attr]
+    assert scheduler.counters.saves_completed == 1
 
 
 def test_fm4_shape_mismatch_is_a_miss_and_drops_the_stale_entry(
@@ -497,7 +607,7 @@ def test_stats_are_deltas_with_gauges_and_worker_figures(make_scheduler: Schedul
     assert held == 1, "a load in flight holds its entry"
 
 
-def test_reclaim_warnings_are_rate_limited(
+def test_overdue_warnings_are_rate_limited(
     make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture
 ) -> None:
     scheduler = make_scheduler(ec_report_timeout_steps=1, ec_report_timeout_s=0)
@@ -505,5 +615,5 @@ def test_reclaim_warnings_are_rate_limited(
     for _ in range(3):
         scheduler.build_connector_meta(scheduler_output())
     assert scheduler.counters.saves_reclaimed == 3
-    warnings = [r for r in ec_log.records if "was not reported" in r.getMessage()]
+    warnings = [r for r in ec_log.records if "is unreported after" in r.getMessage()]
     assert len(warnings) == 1, "one line per period, not one per copy"

@@ -41,6 +41,7 @@ from ectools.backend_checks import (
     run_fake_device_checks,
 )
 from ectools.configs import make_vllm_config
+from ectools.driving import save_meta
 from ectools.streamed_contract import *  # noqa: F403  (the shared backend contract)
 from ectools.streamed_contract import WIDTH, Factory, streamed_factory
 
@@ -207,7 +208,7 @@ def config(tiny_model_dir: str, tmp_path: Path) -> Any:
 
 def _round_trip(worker: AscendECCPUWorker, blocks: list[int], rows: int) -> None:
     data = torch.randn(rows, WIDTH)
-    meta = ECCPUConnectorMetadata(saves={"k": blocks})
+    meta = save_meta({"k": (blocks, data)})
     worker.bind(meta)
     worker.save_caches({"k": data}, "k", meta)
     worker.get_finished()

@@ -21,7 +21,8 @@ from ec_worker_cpu import CONNECTOR_NAME, CpuECCPUConnector, CpuECCPUWorker
 from ec_worker_cpu._plugin import register
 from ectools.backend_checks import check_connector_resolution, modules_after_import
 from ectools.configs import make_vllm_config
-from ectools.driving import Item, StepDriver, make_request
+from ectools.driving import Item, StepDriver, make_request, save_meta
+from ectools.faulty import FailingLoadsWorker
 
 WIDTH = 128
 
@@ -49,7 +50,7 @@ def test_worker_round_trip_is_byte_exact(config: Any) -> None:
     worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
     try:
         data = torch.randn(5, WIDTH)
-        meta = ECCPUConnectorMetadata(saves={"k": [9, 3, 4, 5, 20]})
+        meta = save_meta({"k": ([9, 3, 4, 5, 20], data)})
         worker.bind(meta)
         worker.save_caches({"k": data}, "k", meta)
         worker.get_finished()
@@ -60,6 +61,47 @@ def test_worker_round_trip_is_byte_exact(config: Any) -> None:
         worker.start_load_caches(cache, meta)
         assert torch.equal(cache["k"], data)
         assert cache["k"].dtype == torch.float32 and cache["k"].device.type == "cpu"
+    finally:
+        worker.shutdown()
+
+
+class _FirstBufferFails(CpuECCPUWorker):
+    failed = False
+
+    def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
+        if not self.failed:
+            self.failed = True
+            raise MemoryError("injected: cannot allocate")
+        return super()._new_device_buffer(nbytes)
+
+
+@pytest.mark.parametrize("worker_class", [FailingLoadsWorker, _FirstBufferFails])
+def test_failed_loads_fall_back_to_real_synchronous_copies(
+    config: Any, worker_class: type[CpuECCPUWorker]
+) -> None:
+    """The real CPU backend with its load submission, or one buffer, failing."""
+    worker = worker_class(config, rank_info=RankInfo(0, True))
+    try:
+        data = {"a": torch.randn(5, WIDTH), "b": torch.randn(2, WIDTH)}
+        blocks = {"a": [9, 3, 4, 5, 20], "b": [40, 41]}
+        meta = save_meta({key: (blocks[key], data[key]) for key in data})
+        worker.bind(meta)
+        for key in data:
+            worker.save_caches(data, key, meta)
+        worker.get_finished()
+        assert sorted(worker.build_connector_worker_meta().completed_saves) == ["a", "b"]
+        cache: dict[str, torch.Tensor] = {}
+        loads = {key: (i, blocks[key], tuple(data[key].shape)) for i, key in enumerate(data)}
+        meta = ECCPUConnectorMetadata(loads=loads)  # type: ignore[arg-type]
+        worker.bind(meta)
+        worker.start_load_caches(cache, meta)
+        for key, tensor in data.items():
+            assert torch.equal(cache[key], tensor)
+        worker.get_finished()
+        report = worker.build_connector_worker_meta()
+        expected = 2 if worker_class is FailingLoadsWorker else 1
+        assert report.fallbacks == [(0, "load")] * expected
+        assert sorted(report.load_acks) == [(0, 0), (0, 1)]
     finally:
         worker.shutdown()
 
@@ -163,7 +205,7 @@ def test_large_entry_round_trip_through_prefaulted_buffers(
     try:
         data = torch.randn(rows, WIDTH)
         blocks = list(range(rows))
-        meta = ECCPUConnectorMetadata(saves={"big": blocks})
+        meta = save_meta({"big": (blocks, data)})
         worker.bind(meta)
         worker.save_caches({"big": data}, "big", meta)
         worker.get_finished()

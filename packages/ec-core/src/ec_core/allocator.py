@@ -125,9 +125,6 @@ class BlockAllocator:
     def num_free_runs(self) -> int:
         return len(self._free)
 
-    def largest_free_run(self) -> int:
-        return self._free.largest()
-
     @property
     def num_held_entries(self) -> int:
         """Entries not ready or pinned (not evictable)."""

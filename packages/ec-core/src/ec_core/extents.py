@@ -34,10 +34,6 @@ class FreeExtents:
         """The number of free runs."""
         return len(self._by_start)
 
-    def largest(self) -> int:
-        """The length of the longest free run (0 when nothing is free)."""
-        return int(self._by_size[-1][0]) if self._by_size else 0
-
     def run_ending_at(self, end: int) -> int | None:
         """The start of the free run that ends at `end`, if there is one."""
         return self._by_end.get(end)

@@ -1,8 +1,14 @@
 """The per-step payloads exchanged between the scheduler and the workers.
 
-Both are plain dataclasses of dicts, lists, ints and tuples: vLLM serialises
-the scheduler's object inside `SchedulerOutput` and the workers' objects inside
-`ModelRunnerOutput`, so nothing here may hold a tensor or a handle.
+Both are plain dataclasses of dicts, lists, ints, strings and tuples: vLLM
+serialises the scheduler's object inside `SchedulerOutput` and the workers'
+objects inside `ModelRunnerOutput`, so nothing here may hold a tensor or a
+handle.
+
+`ECCPUConnectorMetadata` and `ECCPUWorkerMetadata` are the two dataclasses of
+vLLM's in-tree CPU connector design (same names, same first fields), so code
+written against that design reads them as it expects; this project's workers
+send the richer `ECCPUWorkerReport`.
 """
 
 from __future__ import annotations
@@ -30,10 +36,17 @@ class ECCPUConnectorMetadata(ECConnectorMetadata):
     those blocks and reports `transfer_id` once its copy has landed. A
     transfer id is minted per dispatch, so a late report of an earlier load of
     the same mm_hash can never be mistaken for a later one.
+
+    `step` numbers the metadata objects one scheduler builds (1, 2, ...):
+    workers say how far their copies have settled in terms of it. `save_shapes`
+    holds the `(rows, cols)` each save was allocated for; a worker saves only a
+    tensor of exactly that shape and of the region's dtype.
     """
 
     saves: dict[str, list[int]] = field(default_factory=dict)
     loads: dict[str, tuple[int, list[int], tuple[int, int]]] = field(default_factory=dict)
+    step: int = 0
+    save_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,7 +56,7 @@ class ECCPUWorkerMetadata(ECConnectorWorkerMetadata):
     Saves are reported by mm_hash (one rank writes each entry); loads by
     transfer id (every rank loads). vLLM folds all ranks' objects with
     `aggregate`, which concatenates, so a transfer id appears once per rank
-    that finished it and the scheduler can count ranks off the list.
+    that finished it.
     """
 
     completed_saves: list[str] = field(default_factory=list)
@@ -67,43 +80,56 @@ class ECCPUWorkerMetadata(ECConnectorWorkerMetadata):
 
 @dataclass
 class ECCPUWorkerReport(ECCPUWorkerMetadata):
-    """What this project's workers send: the seed's report plus who sent it.
+    """What this project's workers send each step: the two lists above, plus
+    who sent it and how far each sender has got.
 
-    The seed fields keep their meaning (and stay correct for any consumer of
-    the seed type). The extra fields let the scheduler count ranks exactly:
-
-    * `reporters`: the rank of every worker folded into this report, once
-      per worker. A worker sends a report every step it runs the connector,
-      even an empty one, so one aggregated report names every participating
-      rank (vLLM's multiprocess executor folds all ranks; single-output
-      executors deliver one rank).
-    * `load_acks`: `(rank, transfer_id)` per finished load, so a repeated
-      report from one rank is never counted as another rank's.
-    * `failed_saves` / `failed_loads`: copies a worker could not perform; the
-      scheduler drops a failed save's entry and releases a failed load's pin.
+    * `progress`: `(rank, step, settled)` once per worker folded in: the last
+      metadata step the rank ran, and the step up to which its copies have
+      settled: every copy it was handed in steps `<= settled` has landed, or
+      was reported failed, and none of them can read or write region memory
+      any more. A worker sends a report every step it runs the connector, even
+      an empty one.
+    * `group_size`: how many ranks run this engine's connector copies (the
+      tensor x context parallel ranks of the first pipeline stage); the
+      scheduler trusts `progress` only once it has heard from that many.
+    * `save_acks`: `(rank, step, mm_hash)` per save that landed; `step` is
+      the metadata step that asked for it, so a late report of an earlier save
+      of the same mm_hash is never taken for a later one.
+    * `failed_saves`: `(rank, step, mm_hash)` per save the worker did not
+      perform (a source of the wrong shape, or a copy that failed).
+    * `load_acks`: `(rank, transfer_id)` per load that landed.
+    * `fallbacks`: `(rank, "save" | "load")` per entry whose batched copy
+      failed and that was copied synchronously instead.
     * `stats`: figures the worker measured (bytes copied, copy time), summed
-      over ranks — vLLM's V1 runner never asks workers for stats, so they
-      travel here and the scheduler half publishes them.
+      over ranks by `aggregate` (vLLM's V1 runner never asks workers for
+      stats, so they travel here).
+
+    The inherited `completed_saves` / `completed_loads` are filled as well;
+    `group_size` aggregates as the largest.
     """
 
-    reporters: list[int] = field(default_factory=list)
+    progress: list[tuple[int, int, int]] = field(default_factory=list)
+    group_size: int = 1
+    save_acks: list[tuple[int, int, str]] = field(default_factory=list)
+    failed_saves: list[tuple[int, int, str]] = field(default_factory=list)
     load_acks: list[tuple[int, int]] = field(default_factory=list)
-    failed_saves: list[str] = field(default_factory=list)
-    failed_loads: list[tuple[int, int]] = field(default_factory=list)
+    fallbacks: list[tuple[int, str]] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
-        """Concatenate every list of `other` onto this report; return self.
+        """Concatenate every list of `other` onto this report and sum its stats.
 
-        A plain ECCPUWorkerMetadata contributes its seed lists only; any other
-        type raises TypeError (see the base class).
+        Returns self. A plain ECCPUWorkerMetadata contributes its two lists
+        only; any other type raises TypeError (see the base class).
         """
         super().aggregate(other)
         if isinstance(other, ECCPUWorkerReport):
-            self.reporters.extend(other.reporters)
-            self.load_acks.extend(other.load_acks)
+            self.progress.extend(other.progress)
+            self.group_size = max(self.group_size, other.group_size)
+            self.save_acks.extend(other.save_acks)
             self.failed_saves.extend(other.failed_saves)
-            self.failed_loads.extend(other.failed_loads)
+            self.load_acks.extend(other.load_acks)
+            self.fallbacks.extend(other.fallbacks)
             for name, value in other.stats.items():
                 self.stats[name] = self.stats.get(name, 0.0) + value
         return self

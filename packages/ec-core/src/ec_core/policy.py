@@ -61,7 +61,8 @@ class LRUPolicy:
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int = 0) -> None:
+        """`num_blocks` is accepted for a uniform constructor and not needed."""
         self._order: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
@@ -251,18 +252,17 @@ class S3LFUPolicy:
 
 
 POLICIES: dict[str, type[LRUPolicy] | type[S3LFUPolicy]] = {
-    S3LFUPolicy.name: S3LFUPolicy,
-    LRUPolicy.name: LRUPolicy,
+    policy.name: policy for policy in (S3LFUPolicy, LRUPolicy)
 }
-"""Policies by the name users give in the config (`ec_eviction_policy`)."""
+"""Policies by the name users give in the config (`ec_eviction_policy`); each
+is built as `POLICIES[name](num_blocks)`."""
 
 DEFAULT_POLICY = S3LFUPolicy.name
 
 
 def make_policy(name: str, num_blocks: int = 0) -> EvictionPolicy:
     """A fresh policy object for a configured policy name and pool size."""
-    if name == S3LFUPolicy.name:
-        return S3LFUPolicy(num_blocks)
-    if name == LRUPolicy.name:
-        return LRUPolicy()
-    raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}")
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}")
+    return policy(num_blocks)

@@ -14,7 +14,8 @@ def register_connector(name: str, module_path: str, class_name: str) -> bool:
     """Register `name` → `module_path:class_name` with vLLM's EC connector factory.
 
     Returns True if this call registered it, False if the name was already
-    registered (by an earlier call, or by someone else: that is logged).
+    registered (by an earlier call or by another package; vLLM keeps the first
+    registration of a name).
     """
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 

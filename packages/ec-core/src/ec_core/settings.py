@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ec_core._vllm import get_logger
 from ec_core.policy import DEFAULT_POLICY, POLICIES
-from ec_core.sizes import SizeError, format_bytes, parse_byte_size
+from ec_core.sizes import SizeError, parse_byte_size
 
 logger = get_logger(__name__)
 
@@ -137,10 +137,6 @@ class ECCPUSettings:
             report_timeout_s=timeout_s,
             policy=policy,
         )
-
-    def describe(self) -> str:
-        """A one-line summary for start-up logs."""
-        return f"{format_bytes(self.cpu_bytes)} in {self.region_dir}"
 
 
 def _warn_unknown_keys(extra: Mapping[str, object]) -> None:

@@ -36,7 +36,8 @@ COUNTERS: dict[str, str] = {
     "saves": "Encoder outputs written to the CPU region",
     "loads": "Encoder outputs loaded back from the CPU region",
     "saves_failed": "Saves a worker could not perform",
-    "loads_failed": "Loads a worker could not perform",
+    "save_fallbacks": "Saves copied synchronously because their batched copy failed",
+    "load_fallbacks": "Loads copied synchronously because their batched copy or buffer failed",
     "saves_not_admitted": "Saves the admission rule turned down",
     "saves_skipped": "Saves skipped: region full of held entries, oversized or empty items, "
     "unmeasured modalities",
@@ -45,7 +46,9 @@ COUNTERS: dict[str, str] = {
     "bytes_loaded": "Bytes of encoder output loaded from the CPU region (all ranks)",
     "save_copy_seconds": "Time copies into the CPU region took (all ranks)",
     "load_copy_seconds": "Time copies out of the CPU region took (all ranks)",
-    "reclaimed": "Saves and loads reclaimed because their report never arrived",
+    "reclaimed": "Saves and loads still unreported past the report bound (blocks held "
+    "until they settle)",
+    "reports_lost": "Copies that settled without their own report (the ranks moved past them)",
     "stale_dropped": "Entries dropped because their shape no longer matched the request",
 }
 
@@ -58,6 +61,32 @@ GAUGES: dict[str, str] = {
 
 WORKER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_copy_seconds", "load_copy_seconds")
 """The counters workers report (in ECCPUWorkerReport.stats)."""
+
+RANK_COPIES = "rank_copies"
+RANK_COPY_OPS = ("save", "load", "save_fallback", "load_fallback")
+RANK_COPIES_HELP = (
+    "Copies each rank performed, by op: save, load, and the saves and loads it had to "
+    "copy synchronously because their batched copy failed (save_fallback, load_fallback)"
+)
+
+
+def rank_copy_key(op: str, rank: int) -> str:
+    """The stats key of one rank's count of one op, e.g. `rank_copies:load_fallback:1`."""
+    return f"{RANK_COPIES}:{op}:{rank}"
+
+
+def parse_rank_copy_key(name: str) -> tuple[str, str] | None:
+    """`(op, rank)` of a `rank_copy_key`, or None for any other name."""
+    prefix, _, rest = name.partition(":")
+    op, _, rank = rest.partition(":")
+    if prefix != RANK_COPIES or op not in RANK_COPY_OPS or not rank.isdigit():
+        return None
+    return op, rank
+
+
+def is_counter(name: str) -> bool:
+    """Whether `name` is summed over intervals (a counter) rather than replaced (a gauge)."""
+    return name in COUNTERS or parse_rank_copy_key(name) is not None
 
 
 @dataclass
@@ -73,7 +102,7 @@ class ECCPUConnectorStats(ECConnectorStats):
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
         for name, value in other.data.items():
-            if name in COUNTERS:
+            if is_counter(name):
                 self.data[name] = self.data.get(name, 0) + value
             else:
                 self.data[name] = value
@@ -83,20 +112,25 @@ class ECCPUConnectorStats(ECConnectorStats):
         figures: dict[str, int | float] = {
             name: self.data[name] for name in (*COUNTERS, *GAUGES) if name in self.data
         }
+        for name in sorted(self.data):
+            if parse_rank_copy_key(name) is not None:
+                figures[name] = self.data[name]
         lookups = self.data.get("lookups", 0)
         if lookups:
             figures["hit_rate"] = round(self.data.get("hits", 0) / lookups, 4)
         return figures
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in COUNTERS)
+        return not any(value for name, value in self.data.items() if is_counter(name))
 
 
 class ECCPUPromMetrics(ECConnectorPromMetrics):
     """One Prometheus family per counter and gauge, one child per engine.
 
     Counters are named `vllm:ec_cpu_<name>` (exposed with `_total`), gauges
-    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels.
+    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels. The per-rank family
+    `vllm:ec_cpu_rank_copies` carries `rank` and `op` labels as well; its
+    children appear as ranks report.
     """
 
     def __init__(
@@ -123,6 +157,11 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             self._gauges[name] = self._per_engine(family)
+        self._rank_copies: Any = self._counter_cls(
+            name=PREFIX + RANK_COPIES,
+            documentation=RANK_COPIES_HELP,
+            labelnames=[*labelnames, "rank", "op"],
+        )
 
     def _per_engine(self, family: Any) -> dict[int, Any]:
         return {
@@ -135,12 +174,20 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
                 self._counters[name][engine_idx].inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+            elif value > 0 and (parsed := parse_rank_copy_key(name)) is not None:
+                op, rank = parsed
+                engine = self.per_engine_labelvalues[engine_idx]
+                self._rank_copies.labels(*engine, rank, op).inc(value)
 
 
 __all__ = [
     "COUNTERS",
     "GAUGES",
+    "RANK_COPY_OPS",
     "WORKER_COUNTERS",
     "ECCPUConnectorStats",
     "ECCPUPromMetrics",
+    "is_counter",
+    "parse_rank_copy_key",
+    "rank_copy_key",
 ]

@@ -146,7 +146,8 @@ class StreamedECCPUWorker(ECCPUWorker):
       * the tensors a batch reads or writes are recorded on its stream, so the
         caching allocator cannot hand them out before the copy is done;
       * a submission that fails drains its stream and returns stream and events
-        to the pools before re-raising (the common worker then reports it);
+        to the pools before re-raising (the common worker then copies the
+        entries synchronously on the compute stream);
       * shutdown drains the device, unregisters the host mapping, and can run
         twice; a registration failure is one loud warning, and copies then take
         the per-copy path that is safe for pageable memory.

@@ -49,6 +49,24 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return [(int(ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
+def entry_spans(
+    block_ids: Sequence[int], block_size: int, nbytes: int
+) -> Iterator[tuple[int, int, int]]:
+    """Where an entry of `nbytes` over `block_ids` lives: `(region_offset, entry_offset, size)`.
+
+    One span per run of consecutive blocks, in the entry's byte order. Only
+    `nbytes` are covered: the tail of the last block is neither read nor
+    written.
+    """
+    offset = 0
+    for first, count in block_runs(block_ids):
+        if offset >= nbytes:
+            return
+        size = min(count * block_size, nbytes - offset)
+        yield first * block_size, offset, size
+        offset += size
+
+
 class DescriptorBatch:
     """A growing list of `(src, dst, nbytes)` copies for one submission."""
 
@@ -74,9 +92,9 @@ class DescriptorBatch:
         self.sizes.append(size)
         self.nbytes += size
 
-    def add_runs(
+    def add_entry(
         self,
-        runs: Sequence[tuple[int, int]],
+        block_ids: Sequence[int],
         *,
         region_base: int,
         block_size: int,
@@ -84,23 +102,17 @@ class DescriptorBatch:
         nbytes: int,
         to_region: bool,
     ) -> None:
-        """Describe an entry of `nbytes` laid out over `runs` of region blocks.
+        """Describe the copy of one entry of `nbytes` laid out over `block_ids`.
 
         The entry's bytes are contiguous at `other_base` (the device side);
-        in the region they follow the runs in order. Only `nbytes` are copied:
-        the tail of the last block is neither read nor written.
+        in the region they follow the blocks in order, one descriptor per run
+        of consecutive blocks (see `entry_spans`).
         """
-        offset = 0
-        for first, count in runs:
-            if offset >= nbytes:
-                break
-            size = min(count * block_size, nbytes - offset)
-            region_addr = region_base + first * block_size
+        for region_offset, entry_offset, size in entry_spans(block_ids, block_size, nbytes):
             if to_region:
-                self.add(other_base + offset, region_addr, size)
+                self.add(other_base + entry_offset, region_base + region_offset, size)
             else:
-                self.add(region_addr, other_base + offset, size)
-            offset += size
+                self.add(region_base + region_offset, other_base + entry_offset, size)
 
     def split(self, limit: int) -> list[DescriptorBatch]:
         """Chunks of at most `limit` descriptors (for APIs with a batch limit)."""

@@ -1,4 +1,4 @@
-"""ECCPUWorker: everything a worker does that is not device specific.
+"""ECCPUWorker: everything a worker process does that is not device specific.
 
 It opens the region, turns each step's saves and loads into copy descriptors
 (one per run of consecutive blocks), submits one batch per direction per
@@ -9,14 +9,12 @@ finished copies every step. A backend subclass fills only the hooks:
     _submit_transfer(batch, dir, keepalive) -> TransferHandle
                                     enqueue one batch of copies
     _new_device_buffer(nbytes)      memory for one loaded entry
+    _copy_now(dst, src)             one synchronous copy (the fallback path)
     _shutdown_transfer_backend()    release what the backend holds
 
-Per step (vLLM's order): `start_load_caches` copies the step's loads into
-fresh per-entry buffers and publishes them in `encoder_cache`; the encoder
-runs and `save_caches` queues each new output named in the step's saves;
-`get_finished` submits the queued saves as one batch; and
-`build_connector_worker_meta` reports every batch that has landed, the saves
-that failed, and this rank.
+vLLM's per-step call order, and what each call does here, is in the
+docstrings of `start_load_caches`, `save_caches`, `get_finished` and
+`build_connector_worker_meta`.
 """
 
 from __future__ import annotations
@@ -31,13 +29,31 @@ import torch
 from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, open_region, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.region import ECSharedRegion
-from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle, block_runs
+from ec_core.transfer import (
+    CompletedTransfer,
+    DescriptorBatch,
+    TransferDirection,
+    TransferHandle,
+    entry_spans,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = get_logger(__name__)
+
+SAVE = TransferDirection.DEVICE_TO_HOST
+LOAD = TransferDirection.HOST_TO_DEVICE
+
+
+class ECCPULoadError(RuntimeError):
+    """A load the scheduler promised could be performed neither batched nor synchronously.
+
+    vLLM gathers the entry's embeddings in the same step, so the step cannot
+    go on without it; the message names the entry, the backend and both causes.
+    """
 
 
 @dataclass
@@ -46,13 +62,13 @@ class Transfer:
 
     direction: TransferDirection
     handle: TransferHandle
+    step: int
+    """The metadata step the batch's copies were asked for in."""
     keys: list[str] = field(default_factory=list)
     """mm_hashes of the saves in the batch."""
     tids: list[int] = field(default_factory=list)
     """Transfer ids of the loads in the batch."""
     nbytes: int = 0
-    descriptors: int = 0
-    submitted: float = 0.0
     keepalive: list[torch.Tensor] = field(default_factory=list)
     """Tensors the copies read or write; held until the batch has landed."""
 
@@ -60,16 +76,32 @@ class Transfer:
 @dataclass
 class _PendingSave:
     key: str
+    step: int
     source: torch.Tensor
     block_ids: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+@dataclass
+class _Load:
+    key: str
+    tid: int
+    block_ids: list[int]
+    shape: tuple[int, int]
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
-    """Where this worker sits: its global rank and whether it writes saves."""
+    """Where this worker sits: its global rank, whether it writes saves, and how
+    many ranks (itself included) run this engine's connector copies."""
 
     rank: int
     is_save_rank: bool
+    group_size: int = 1
 
 
 def _add(stats: dict[str, float], name: str, value: float) -> None:
@@ -87,7 +119,10 @@ def detect_rank_info() -> RankInfo:
     try:
         rank = ps.get_world_group().rank
         tp_rank = ps.get_tensor_model_parallel_rank()
-        pcp_rank = ps.get_pcp_group().rank_in_group if hasattr(ps, "get_pcp_group") else 0
+        tp_size = ps.get_tensor_model_parallel_world_size()
+        pcp = ps.get_pcp_group() if hasattr(ps, "get_pcp_group") else None
+        pcp_rank = pcp.rank_in_group if pcp is not None else 0
+        pcp_size = pcp.world_size if pcp is not None else 1
     except (AssertionError, AttributeError, RuntimeError) as exc:
         logger.warning(
             "EC CPU tier: vLLM's process groups are not initialised (%s); assuming a "
@@ -95,7 +130,13 @@ def detect_rank_info() -> RankInfo:
             exc,
         )
         return RankInfo(rank=0, is_save_rank=True)
-    return RankInfo(rank=int(rank), is_save_rank=tp_rank == 0 and pcp_rank == 0)
+    # The connector runs on the first pipeline stage: its tensor x context
+    # parallel ranks each report every step.
+    return RankInfo(
+        rank=int(rank),
+        is_save_rank=tp_rank == 0 and pcp_rank == 0,
+        group_size=int(tp_size) * int(pcp_size),
+    )
 
 
 class ECCPUWorker:
@@ -104,13 +145,20 @@ class ECCPUWorker:
     Guarantees:
       * one submission per direction per step; an entry occupying one run of
         blocks is one descriptor;
-      * a loaded entry is a tensor of the recorded `(rows, cols)` shape and the
-        model dtype, in a buffer of its own, so its device memory lives exactly
-        as long as vLLM keeps that entry;
-      * a save whose source is larger or smaller than its allocation, or of an
-        unexpected dtype, is skipped with a warning and reported as failed;
-        a failed submission is reported (never raised into vLLM's step);
-      * every step this worker runs produces a report naming its rank;
+      * every load in the step's metadata is in `encoder_cache` when
+        `start_load_caches` returns, as a tensor of the recorded `(rows,
+        cols)` shape and the model dtype, in a buffer of its own (its device
+        memory lives exactly as long as vLLM keeps the entry). When the
+        batched path fails (the submission or the buffer allocation raises),
+        the entry is copied synchronously from the region instead and counted
+        as a fallback; only when that fails too does `start_load_caches`
+        raise, with an `ECCPULoadError` naming entry, backend and causes;
+      * a save is made only of a tensor of exactly the shape the scheduler
+        allocated and of the region's dtype; any other is skipped with a
+        rate-limited warning and reported failed. A save whose batch fails is
+        copied synchronously; if that fails too it is reported failed;
+      * every step this worker runs produces a report naming its rank and the
+        step up to which its copies have settled (see ECCPUWorkerReport);
       * shutdown waits for copies in flight, then releases the backend, then
         the region — the region's cleanup happens even if the backend fails.
     """
@@ -132,24 +180,29 @@ class ECCPUWorker:
         self.dtype = self.layout.dtype
         self.block_size = self.layout.block_size_bytes
         self.rank_info = rank_info if rank_info is not None else detect_rank_info()
+        self.saves_here = self.is_producer and self.rank_info.is_save_rank
         self.region: ECSharedRegion = open_region(self.layout)
+        self._region_bytes = self.region.blocks.view(-1).view(torch.uint8)
+        self._warnings = RateLimitedWarnings(logger)
+        self._step = 0
+        self._bound_saves: dict[str, list[int]] = {}
         self._inflight: list[Transfer] = []
         self._pending_saves: list[_PendingSave] = []
-        self._bound_saves: dict[str, list[int]] = {}
         self._queued: set[str] = set()
-        self._failed_saves: list[str] = []
-        self._failed_loads: list[int] = []
+        self._failed_saves: list[tuple[int, str]] = []
+        self._fallbacks: list[str] = []
         self._closed = False
         try:
             self._pin_shared_region()
         except BaseException:
+            self._region_bytes = torch.empty(0, dtype=torch.uint8)
             self.region.cleanup()
             raise
         logger.info(
             "EC CPU tier worker (%s): rank %d%s, region %s",
             type(self).__name__,
             self.rank_info.rank,
-            " (saves)" if self.rank_info.is_save_rank and self.is_producer else "",
+            " (saves)" if self.saves_here else "",
             self.region.path,
         )
 
@@ -168,7 +221,9 @@ class ECCPUWorker:
 
         `keepalive` are the device tensors the copies read (saves) or write
         (loads); the caller holds them until the handle reports completion. A
-        hook that raises must first release whatever it acquired.
+        hook that raises must first make sure none of its copies can still run
+        (drain what it enqueued) and release whatever it acquired: the caller
+        then copies the same bytes with `_copy_now`.
         """
         raise NotImplementedError
 
@@ -176,50 +231,109 @@ class ECCPUWorker:
         """A 1-D uint8 tensor of `nbytes` on this worker's device (one loaded entry)."""
         raise NotImplementedError
 
+    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` (same number of bytes) and return once it is done.
+
+        The fallback when a batch cannot be submitted. One side is a view of
+        the region, the other of a device tensor. `Tensor.copy_` without
+        `non_blocking` runs on the current stream and returns only when the
+        bytes are in place, which is what every backend needs.
+        """
+        dst.copy_(src)
+
     def _shutdown_transfer_backend(self) -> None:
         """Release backend resources; called after all copies landed, before the region goes."""
 
-    # --------------------------------------------------------------- loads
+    # --------------------------------------------------------------- steps
 
     def bind(self, metadata: ECCPUConnectorMetadata) -> None:
-        """A step starts: remember the saves it owes, to report any never made."""
+        """A step starts: remember its number and the saves it owes."""
+        if self._pending_saves:
+            self.flush_saves()  # get_finished did not run for the previous step
+        self._step = max(self._step, metadata.step)
         self._bound_saves = metadata.saves
         self._queued.clear()
+
+    # --------------------------------------------------------------- loads
 
     def start_load_caches(
         self, encoder_cache: dict[str, torch.Tensor], metadata: ECCPUConnectorMetadata
     ) -> None:
-        """Copy this step's loads into `encoder_cache` before the embeddings are gathered."""
+        """Put every load of this step into `encoder_cache` (before vLLM gathers them).
+
+        Batched first; an entry the batched path could not take (its buffer
+        or the submission failed) is copied synchronously. Raises
+        ECCPULoadError only when an entry could be copied by neither path.
+        """
         if not metadata.loads or self._closed:
             return
-        batch = DescriptorBatch()
-        buffers: list[torch.Tensor] = []
-        entries: list[tuple[str, torch.Tensor, tuple[int, int]]] = []
-        tids: list[int] = []
-        region_base = self.region.base_address
-        itemsize = self.dtype.itemsize
         # Ascending first block keeps the region reads in address order.
-        for key, (tid, block_ids, shape) in sorted(
-            metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1
-        ):
-            rows, cols = shape
-            nbytes = rows * cols * itemsize
-            buffer = self._new_device_buffer(nbytes)
-            batch.add_runs(
-                block_runs(block_ids),
-                region_base=region_base,
+        loads = [
+            self._plan_load(key, tid, block_ids, shape)
+            for key, (tid, block_ids, shape) in sorted(
+                metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1
+            )
+        ]
+        staged: list[tuple[_Load, torch.Tensor]] = []
+        unstaged: list[tuple[_Load, torch.Tensor | None, Exception]] = []
+        batch = DescriptorBatch()
+        for load in loads:
+            try:
+                buffer = self._new_device_buffer(load.nbytes)
+            except Exception as exc:
+                unstaged.append((load, None, exc))
+                continue
+            batch.add_entry(
+                load.block_ids,
+                region_base=self.region.base_address,
                 block_size=self.block_size,
                 other_base=int(buffer.data_ptr()),
-                nbytes=nbytes,
+                nbytes=load.nbytes,
                 to_region=False,
             )
-            buffers.append(buffer)
-            entries.append((key, buffer, shape))
-            tids.append(tid)
-        if not self._submit(batch, TransferDirection.HOST_TO_DEVICE, buffers, tids=tids):
-            return
-        for key, buffer, shape in entries:
-            encoder_cache[key] = buffer.view(self.dtype).view(shape)
+            staged.append((load, buffer))
+        if staged:
+            cause = self._submit(
+                batch, LOAD, [buffer for _, buffer in staged], tids=[load.tid for load, _ in staged]
+            )
+            if cause is not None:
+                unstaged.extend((load, buffer, cause) for load, buffer in staged)
+                staged = []
+        for load, maybe_buffer, cause in unstaged:
+            staged.append((load, self._load_now(load, maybe_buffer, cause)))
+        for load, buffer in staged:
+            encoder_cache[load.key] = buffer.view(self.dtype).view(load.shape)
+
+    def _plan_load(self, key: str, tid: int, block_ids: list[int], shape: tuple[int, int]) -> _Load:
+        rows, cols = shape
+        nbytes = rows * cols * self.dtype.itemsize
+        if nbytes > len(block_ids) * self.block_size or (
+            block_ids and (min(block_ids) < 0 or max(block_ids) >= self.region.num_blocks)
+        ):
+            raise ECCPULoadError(
+                f"EC CPU tier: the load of {key!r} (transfer {tid}) names {len(block_ids)} "
+                f"blocks for a {rows}x{cols} entry, some outside the region's "
+                f"{self.region.num_blocks} blocks or too few of them; the scheduler and "
+                f"this worker ({type(self).__name__}) disagree about the region"
+            )
+        return _Load(key, tid, block_ids, (rows, cols), nbytes)
+
+    def _load_now(self, load: _Load, buffer: torch.Tensor | None, cause: Exception) -> torch.Tensor:
+        """Copy one entry from the region synchronously (the fallback); raise if impossible."""
+        began = time.perf_counter()
+        try:
+            if buffer is None:
+                buffer = self._new_device_buffer(load.nbytes)
+            self._copy_entry_now(buffer, load.block_ids, load.nbytes, to_region=False)
+        except Exception as exc:
+            raise ECCPULoadError(
+                f"EC CPU tier: cannot load encoder output {load.key!r} (transfer {load.tid}) "
+                f"on rank {self.rank_info.rank} with {type(self).__name__}: the batched copy "
+                f"failed ({cause!r}) and so did a synchronous copy from the region ({exc!r})"
+            ) from exc
+        self._fallbacks.append("load")
+        self._record_done(LOAD, tids=[load.tid], nbytes=load.nbytes, began=began)
+        return buffer
 
     # --------------------------------------------------------------- saves
 
@@ -229,8 +343,12 @@ class ECCPUWorker:
         mm_hash: str,
         metadata: ECCPUConnectorMetadata,
     ) -> None:
-        """Queue `encoder_cache[mm_hash]` for this step's save batch."""
-        if not (self.is_producer and self.rank_info.is_save_rank) or self._closed:
+        """Queue `encoder_cache[mm_hash]` for this step's save batch.
+
+        vLLM calls it once per encoder output computed in the step. Not a save
+        rank, or not a save the scheduler asked for: nothing happens.
+        """
+        if not self.saves_here or self._closed:
             return
         block_ids = metadata.saves.get(mm_hash)
         if block_ids is None or mm_hash in self._queued:
@@ -238,53 +356,75 @@ class ECCPUWorker:
         source = encoder_cache.get(mm_hash)
         if source is None:
             return  # reported as failed at the end of the step
-        if source.dtype != self.dtype:
-            self._reject_save(
-                mm_hash,
-                "its dtype is %s but the region holds %s",
-                source.dtype,
-                self.dtype,
-            )
-            return
-        nbytes = source.numel() * source.element_size()
-        capacity = len(block_ids) * self.block_size
-        if nbytes > capacity or nbytes <= capacity - self.block_size:
-            self._reject_save(
-                mm_hash,
-                "it holds %d bytes (shape %s) but %d blocks of %d bytes were allocated",
-                nbytes,
-                tuple(source.shape),
-                len(block_ids),
-                self.block_size,
-            )
-            return
         self._queued.add(mm_hash)
-        self._pending_saves.append(_PendingSave(mm_hash, source.contiguous(), block_ids))
+        problem = self._save_problem(source, metadata.save_shapes.get(mm_hash), block_ids)
+        if problem is not None:
+            self._fail_save(mm_hash, self._step, problem)
+            return
+        self._pending_saves.append(
+            _PendingSave(mm_hash, self._step, source.contiguous(), block_ids)
+        )
 
-    def _reject_save(self, key: str, reason: str, *args: object) -> None:
-        self._queued.add(key)
-        self._failed_saves.append(key)
-        logger.warning("EC CPU tier: not saving %s: " + reason, key, *args)
+    def _save_problem(
+        self, source: torch.Tensor, shape: tuple[int, int] | None, block_ids: list[int]
+    ) -> str | None:
+        """Why `source` must not be written to `block_ids`, or None if it may."""
+        if shape is None:
+            return "the scheduler sent no shape for it"
+        if source.dtype != self.dtype:
+            return f"its dtype is {source.dtype} but the region holds {self.dtype}"
+        if tuple(source.shape) != tuple(shape):
+            return f"its shape is {tuple(source.shape)} but {tuple(shape)} was allocated"
+        nbytes = source.numel() * source.element_size()
+        if nbytes > len(block_ids) * self.block_size:
+            return (
+                f"it holds {nbytes} bytes but {len(block_ids)} blocks of "
+                f"{self.block_size} bytes were allocated"
+            )
+        return None
+
+    def _fail_save(self, key: str, step: int, reason: str) -> None:
+        self._failed_saves.append((step, key))
+        self._warnings.warn("save", "EC CPU tier: not saving %s: %s", key, reason)
 
     def flush_saves(self) -> None:
-        """Submit the step's queued saves as one batch."""
+        """Submit the queued saves as one batch (they all belong to one step)."""
         pending, self._pending_saves = self._pending_saves, []
         if not pending or self._closed:
             return
         batch = DescriptorBatch()
-        region_base = self.region.base_address
         for save in pending:
-            batch.add_runs(
-                block_runs(save.block_ids),
-                region_base=region_base,
+            batch.add_entry(
+                save.block_ids,
+                region_base=self.region.base_address,
                 block_size=self.block_size,
                 other_base=int(save.source.data_ptr()),
-                nbytes=save.source.numel() * save.source.element_size(),
+                nbytes=save.nbytes,
                 to_region=True,
             )
-        sources = [save.source for save in pending]
-        keys = [save.key for save in pending]
-        self._submit(batch, TransferDirection.DEVICE_TO_HOST, sources, keys=keys)
+        cause = self._submit(
+            batch, SAVE, [save.source for save in pending], keys=[save.key for save in pending]
+        )
+        if cause is not None:
+            for save in pending:
+                self._save_now(save, cause)
+
+    def _save_now(self, save: _PendingSave, cause: Exception) -> None:
+        """Copy one save into the region synchronously (the fallback), or report it failed."""
+        began = time.perf_counter()
+        try:
+            self._copy_entry_now(save.source, save.block_ids, save.nbytes, to_region=True)
+        except Exception as exc:
+            self._fail_save(
+                save.key,
+                save.step,
+                f"the batched copy failed ({cause!r}) and so did a synchronous one ({exc!r})",
+            )
+            return
+        self._fallbacks.append("save")
+        self._record_done(SAVE, keys=[save.key], nbytes=save.nbytes, began=began, step=save.step)
+
+    # ---------------------------------------------------------- submission
 
     def _submit(
         self,
@@ -294,75 +434,121 @@ class ECCPUWorker:
         *,
         keys: Sequence[str] = (),
         tids: Sequence[int] = (),
-    ) -> bool:
-        """Submit one batch; on failure report its copies as failed, never raise."""
+    ) -> Exception | None:
+        """Submit one batch and track it; on failure return the exception (never raise)."""
         try:
             handle = self._submit_transfer(batch, direction, keepalive)
-        except Exception:
-            logger.exception(
-                "EC CPU tier: submitting a %s batch of %d entries failed; they are "
-                "reported as failed (a failed load is then a miss in vLLM's encoder cache)",
+        except Exception as exc:
+            logger.debug("EC CPU tier: batched %s failed", direction.value, exc_info=True)
+            self._warnings.warn(
+                f"submit-{direction.value}",
+                "EC CPU tier: a batched %s of %d entries on rank %d failed (%r); copying "
+                "them synchronously instead",
                 direction.value,
                 len(keys) + len(tids),
+                self.rank_info.rank,
+                exc,
             )
-            self._failed_saves.extend(keys)
-            self._failed_loads.extend(tids)
-            return False
+            return exc
         self._inflight.append(
             Transfer(
                 direction,
                 handle,
+                self._step,
                 keys=list(keys),
                 tids=list(tids),
                 nbytes=batch.nbytes,
-                descriptors=len(batch),
-                submitted=time.perf_counter(),
                 keepalive=keepalive,
             )
         )
-        return True
+        return None
+
+    def _copy_entry_now(
+        self, device: torch.Tensor, block_ids: list[int], nbytes: int, *, to_region: bool
+    ) -> None:
+        """Copy one entry between `device` and its blocks with `_copy_now`, run by run."""
+        flat = device.reshape(-1).view(torch.uint8)
+        for region_offset, entry_offset, size in entry_spans(block_ids, self.block_size, nbytes):
+            host = self._region_bytes[region_offset : region_offset + size]
+            other = flat[entry_offset : entry_offset + size]
+            if to_region:
+                self._copy_now(host, other)
+            else:
+                self._copy_now(other, host)
+
+    def _record_done(
+        self,
+        direction: TransferDirection,
+        *,
+        nbytes: int,
+        began: float,
+        keys: Sequence[str] = (),
+        tids: Sequence[int] = (),
+        step: int | None = None,
+    ) -> None:
+        """Track a copy that already landed, so it is reported like the batched ones."""
+        self._inflight.append(
+            Transfer(
+                direction,
+                CompletedTransfer(time.perf_counter() - began),
+                self._step if step is None else step,
+                keys=list(keys),
+                tids=list(tids),
+                nbytes=nbytes,
+            )
+        )
 
     # ----------------------------------------------------------- reporting
 
     def get_finished(self) -> None:
-        """End of the step's forward part: submit the save batch."""
+        """End of the step's forward part: submit the save batch.
+
+        Saves the scheduler allocated for this step whose encoder output never
+        reached `save_caches` (the step failed, or the item was not encoded
+        here) are reported failed, so their blocks come back at once.
+        """
         self.flush_saves()
-        # Saves the scheduler allocated for this step but whose encoder output
-        # never reached save_caches (the step failed, or the item was not
-        # encoded here) would otherwise stay not-ready until the report bound.
-        if self.is_producer and self.rank_info.is_save_rank:
+        if self.saves_here:
             for key in self._bound_saves:
                 if key not in self._queued:
-                    self._failed_saves.append(key)
+                    self._failed_saves.append((self._step, key))
         self._bound_saves = {}
         self._queued.clear()
 
+    def settled_through(self) -> int:
+        """The last step all of whose copies on this rank have landed or failed."""
+        steps = [t.step for t in self._inflight] + [s.step for s in self._pending_saves]
+        return min(steps) - 1 if steps else self._step
+
     def build_connector_worker_meta(self) -> ECCPUWorkerReport:
-        """Report every batch that has landed, failed copies, and this rank."""
-        report = ECCPUWorkerReport(reporters=[self.rank_info.rank])
+        """Report every batch that has landed, failed saves, fallbacks, and this rank's progress."""
         rank = self.rank_info.rank
+        report = ECCPUWorkerReport()
         still: list[Transfer] = []
         for transfer in self._inflight:
             if not transfer.handle.query():
                 still.append(transfer)
                 continue
-            seconds = transfer.handle.elapsed_seconds()
+            seconds = transfer.handle.elapsed_seconds() or 0.0
             transfer.handle.release()
             transfer.keepalive.clear()
-            if transfer.direction is TransferDirection.DEVICE_TO_HOST:
+            if transfer.direction is SAVE:
                 report.completed_saves.extend(transfer.keys)
+                report.save_acks.extend((rank, transfer.step, key) for key in transfer.keys)
                 _add(report.stats, "bytes_saved", transfer.nbytes)
-                _add(report.stats, "save_copy_seconds", seconds or 0.0)
+                _add(report.stats, "save_copy_seconds", seconds)
             else:
                 report.completed_loads.extend(transfer.tids)
                 report.load_acks.extend((rank, tid) for tid in transfer.tids)
                 _add(report.stats, "bytes_loaded", transfer.nbytes)
-                _add(report.stats, "load_copy_seconds", seconds or 0.0)
+                _add(report.stats, "load_copy_seconds", seconds)
         self._inflight = still
-        report.failed_saves.extend(self._failed_saves)
-        report.failed_loads.extend((rank, tid) for tid in self._failed_loads)
+        report.progress.append((rank, self._step, self.settled_through()))
+        report.group_size = self.rank_info.group_size
+        report.failed_saves.extend((rank, step, key) for step, key in self._failed_saves)
+        report.fallbacks.extend((rank, kind) for kind in self._fallbacks)
         self._failed_saves = []
-        self._failed_loads = []
+        self._fallbacks = []
         return report
 
     @property
@@ -390,4 +576,5 @@ class ECCPUWorker:
             except Exception:
                 logger.exception("EC CPU tier: releasing the transfer backend failed")
         finally:
+            self._region_bytes = torch.empty(0, dtype=torch.uint8)
             self.region.cleanup()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -15,9 +16,9 @@ class SchedulerCounters:
     """Lookups answered True (the item will be loaded)."""
     loads_dispatched: int = 0
     loads_completed: int = 0
-    loads_failed: int = 0
+    """Loads every live rank finished (reported, or moved past)."""
     loads_reclaimed: int = 0
-    """Loads whose reports never all arrived; their pins were released."""
+    """Loads still unreported past the report bound (their pins stay until they settle)."""
     load_rows: int = 0
     """Embedding rows served from the region."""
     load_bytes: int = 0
@@ -26,7 +27,9 @@ class SchedulerCounters:
     saves_completed: int = 0
     saves_failed: int = 0
     saves_reclaimed: int = 0
-    """Saves whose report never arrived; their entries were discarded."""
+    """Saves still unreported past the report bound (their blocks stay until they settle)."""
+    reports_lost: int = 0
+    """Copies that settled without their own report: the ranks had moved past them."""
     save_rows: int = 0
     """Embedding rows written to the region."""
     save_bytes: int = 0
@@ -43,7 +46,27 @@ class SchedulerCounters:
     evictions: int = 0
     evicted_blocks: int = 0
     reports_ignored: int = 0
-    """Reports for unknown, already released or repeated transfers."""
+    """Reports for unknown, already settled or repeated copies."""
+    saves_by_rank: dict[int, int] = field(default_factory=dict)
+    """Saves each rank reported landed."""
+    loads_by_rank: dict[int, int] = field(default_factory=dict)
+    """Loads each rank reported landed."""
+    save_fallbacks_by_rank: dict[int, int] = field(default_factory=dict)
+    """Saves each rank copied synchronously because its batch failed."""
+    load_fallbacks_by_rank: dict[int, int] = field(default_factory=dict)
+    """Loads each rank copied synchronously because its batch or buffer failed."""
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    @property
+    def save_fallbacks(self) -> int:
+        return sum(self.save_fallbacks_by_rank.values())
+
+    @property
+    def load_fallbacks(self) -> int:
+        return sum(self.load_fallbacks_by_rank.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field (per-rank ones as `{rank: count}`) plus the fallback totals."""
+        data = asdict(self)
+        data["save_fallbacks"] = self.save_fallbacks
+        data["load_fallbacks"] = self.load_fallbacks
+        return data

@@ -16,25 +16,28 @@ One engine step, in vLLM's call order:
    computed item on a producer gets blocks for a save.
 4. `build_connector_meta()` — hands the step's saves and loads to the workers,
    releases promises vLLM did not take up, and reclaims overdue copies.
-5. `update_connector_output()` — saves become ready, a load's pin is released
-   once every participating rank acknowledged its transfer id.
+5. `update_connector_output()` — the workers' reports, applied by
+   `Settlement` (see its block-reuse invariant): saves become ready, a load's
+   pin is released once every live rank has finished it.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 from ec_core._vllm import get_logger
 from ec_core.allocator import BlockAllocator, Entry
 from ec_core.layout import RegionLayout, region_layout
-from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.policy import make_policy
+from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.sizes import format_bytes
-from ec_core.stats import COUNTERS, WORKER_COUNTERS, ECCPUConnectorStats
+from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
 from ec_scheduler.counters import SchedulerCounters
-from ec_scheduler.flights import Flights, LoadFlight, ReportBound, SaveFlight
+from ec_scheduler.flights import Flights, ReportBound
+from ec_scheduler.publishing import StatsPublisher, stat_totals
+from ec_scheduler.settlement import Settlement
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,8 +48,6 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-RECLAIM_WARNING_PERIOD_S = 60.0
-
 
 class ECCPUScheduler:
     """Bookkeeping and per-step decisions for one engine's region.
@@ -54,12 +55,12 @@ class ECCPUScheduler:
     Guarantees:
       * a lookup that answered True is loaded in that step, or its pin is
         released at the end of the step; it is never evicted in between;
-      * a loaded entry's blocks are not reused until every participating rank
-        has acknowledged the load (or the load was reclaimed as lost);
+      * no copy's blocks are reused while any rank may still read or write
+        them (`Settlement`);
       * no item can crash `schedule()`: items that cannot be saved (too large,
         empty, unmeasured modality, region full) are skipped;
-      * no copy is held forever: an unreported one is reclaimed after the
-        configured bound, with a warning;
+      * nothing waits forever: a copy unreported past the configured bound is
+        counted and warned about and no longer keeps the engine stepping;
       * per-step work is proportional to the step's items and landed copies,
         never to the region's blocks or the number of cached entries.
     """
@@ -80,8 +81,11 @@ class ECCPUScheduler:
             make_policy(settings.policy, self.layout.num_blocks),
             on_evict=self._on_evict,
         )
-        self.flights = Flights(
-            ReportBound(settings.report_timeout_steps, settings.report_timeout_s)
+        self.settlement = Settlement(
+            self.allocator,
+            self.counters,
+            ReportBound(settings.report_timeout_steps, settings.report_timeout_s),
+            self._release_pin,
         )
 
         # Only V2 calls the worker connector on steps without tokens; on V1 such
@@ -91,19 +95,17 @@ class ECCPUScheduler:
         self._encode_only = self.is_producer and not self.is_consumer
 
         self._pending_saves: dict[str, list[int]] = {}
+        self._pending_shapes: dict[str, tuple[int, int]] = {}
         self._pending_loads: dict[str, tuple[int, list[int], tuple[int, int]]] = {}
         self._promised: set[str] = set()
         self._stale: set[str] = set()
-        self._quarantine: dict[str, int] = {}
+        self._step = 0
         self._worker_step = 0
         self._next_tid = 0
-        self._participants = 1
-        self._warned: set[str] = set()
+        self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
         self._shut_down = False
         self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
-        self._last_reclaim_warning = -math.inf
-        self._reclaims_unlogged = 0
-        self._published: dict[str, float] = {}
+        self._publisher = StatsPublisher()
 
         if self.is_consumer and not self.is_producer:
             logger.warning(
@@ -209,12 +211,13 @@ class ECCPUScheduler:
         self.counters.load_rows += entry.shape[0]
         self.counters.load_bytes += entry.shape[0] * entry.shape[1] * self._itemsize
 
+    @property
+    def flights(self) -> Flights:
+        """The copies in flight (read-only use: tests and diagnostics)."""
+        return self.settlement.flights
+
     def _allocate_save(self, feature: MultiModalFeatureSpec) -> None:
         key = feature.identifier
-        if key in self._quarantine:
-            if self._quarantine[key] > self._worker_step:
-                return  # a lost save of this key may still report; do not reuse the key yet
-            del self._quarantine[key]
         width = self._widths.get(feature.modality)
         if width is None:
             self.counters.saves_skipped_unmeasured += 1
@@ -259,6 +262,7 @@ class ECCPUScheduler:
                 self.counters.saves_skipped_full += 1
             return
         self._pending_saves[key] = entry.block_ids
+        self._pending_shapes[key] = (rows, width)
         self.counters.saves_dispatched += 1
         self.counters.save_rows += rows
         self.counters.save_bytes += rows * width * self._itemsize
@@ -267,19 +271,26 @@ class ECCPUScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
         """Hand this step's saves and loads to the workers and reset them."""
+        self._step += 1
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1
         for key in self._promised:
             self._release_pin(key)  # vLLM looked it up but did not schedule it
         self._promised.clear()
-        meta = ECCPUConnectorMetadata(saves=self._pending_saves, loads=self._pending_loads)
+        meta = ECCPUConnectorMetadata(
+            saves=self._pending_saves,
+            loads=self._pending_loads,
+            step=self._step,
+            save_shapes=self._pending_shapes,
+        )
         for key in meta.saves:
-            self.flights.start_save(key, self._worker_step)
+            self.settlement.start_save(key, self._step, self._worker_step)
         for key, (tid, _, _) in meta.loads.items():
-            self.flights.start_load(key, tid, self._worker_step)
+            self.settlement.start_load(key, tid, self._step, self._worker_step)
         self._pending_saves = {}
+        self._pending_shapes = {}
         self._pending_loads = {}
-        self._reclaim_overdue()
+        self.settlement.on_worker_step(self._worker_step)
         return meta
 
     def _reaches_workers(self, scheduler_output: SchedulerOutput) -> bool:
@@ -289,126 +300,24 @@ class ECCPUScheduler:
             or scheduler_output.total_num_scheduled_tokens > 0
         )
 
-    def _reclaim_overdue(self) -> None:
-        for flight in self.flights.expired(self._worker_step):
-            if isinstance(flight, SaveFlight):
-                self._reclaim_save(flight)
-            else:
-                self._reclaim_load(flight)
-
-    def _reclaim_save(self, flight: SaveFlight) -> None:
-        entry = self.allocator.get(flight.key)
-        if entry is not None and not entry.ready:
-            self.allocator.discard(flight.key)
-        # A late report for the lost save must not make a later save of the same
-        # key look ready: keep the key out of new saves for one more bound.
-        self._quarantine[flight.key] = self._worker_step + self.flights.bound.steps + 1
-        self.counters.saves_reclaimed += 1
-        self._warn_reclaimed(
-            "EC CPU tier: the save of %s was not reported within %d steps and %.1f s; "
-            "its blocks are reclaimed",
-            flight.key,
-            self.flights.bound.steps,
-            self.flights.bound.seconds,
-        )
-
-    def _reclaim_load(self, flight: LoadFlight) -> None:
-        self._release_pin(flight.key)
-        self.counters.loads_reclaimed += 1
-        self._warn_reclaimed(
-            "EC CPU tier: load %d of %s was acknowledged by %d of %d ranks within %d "
-            "steps and %.1f s; its pin is released",
-            flight.tid,
-            flight.key,
-            flight.reports(),
-            self._participants,
-            self.flights.bound.steps,
-            self.flights.bound.seconds,
-        )
-
-    def _warn_reclaimed(self, message: str, *args: object) -> None:
-        """Warn about a reclaimed copy, at most once per RECLAIM_WARNING_PERIOD_S.
-
-        A worker that stopped reporting would otherwise produce one line per
-        copy; the ones in between are summed into the next warning (and all
-        are counted in the `reclaimed` metric).
-        """
-        now = time.monotonic()
-        if now - self._last_reclaim_warning < RECLAIM_WARNING_PERIOD_S:
-            self._reclaims_unlogged += 1
-            return
-        if self._reclaims_unlogged:
-            message += " (and %d more reclaimed since the previous warning)"
-            args = (*args, self._reclaims_unlogged)
-        logger.warning(message, *args)
-        self._last_reclaim_warning = now
-        self._reclaims_unlogged = 0
-
     # ------------------------------------------------------------ reports
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
-        """Apply the workers' reports; unknown or repeated ones are ignored."""
+        """Apply the workers' reports (see `Settlement`); anything else is ignored."""
         report = connector_output.ec_connector_worker_meta
-        if not isinstance(report, ECCPUWorkerMetadata) or self._shut_down:
+        if self._shut_down or report is None:
             return
-        if isinstance(report, ECCPUWorkerReport):
-            for name in WORKER_COUNTERS:
-                self._worker_totals[name] += report.stats.get(name, 0.0)
-            if report.reporters:
-                self._participants = max(self._participants, len(set(report.reporters)))
-            for key in report.completed_saves:
-                self._finish_save(key, ok=True)
-            for key in report.failed_saves:
-                self._finish_save(key, ok=False)
-            for rank, tid in report.load_acks:
-                self._ack_load(tid, rank, ok=True)
-            for rank, tid in report.failed_loads:
-                self._ack_load(tid, rank, ok=False)
-        else:
-            # A report without rank information (the plain seed type): each
-            # occurrence of a transfer id counts as one rank.
-            for key in report.completed_saves:
-                self._finish_save(key, ok=True)
-            for tid in report.completed_loads:
-                self._ack_load(tid, None, ok=True)
-
-    def _finish_save(self, key: str, *, ok: bool) -> None:
-        flight = self.flights.saves.pop(key, None)
-        if flight is None:
+        if not isinstance(report, ECCPUWorkerReport):
             self.counters.reports_ignored += 1
-            logger.debug("EC CPU tier: ignoring a save report for %s (not in flight)", key)
+            self._warn_once(
+                f"foreign-report:{type(report).__qualname__}",
+                "EC CPU tier: ignoring a worker report of type %s (expected ECCPUWorkerReport)",
+                type(report).__qualname__,
+            )
             return
-        entry = self.allocator.get(key)
-        if entry is None or entry.ready:
-            self.counters.reports_ignored += 1
-            return
-        if ok:
-            self.allocator.mark_ready(key)
-            self.counters.saves_completed += 1
-        else:
-            self.allocator.discard(key)
-            self.counters.saves_failed += 1
-
-    def _ack_load(self, tid: int, rank: int | None, *, ok: bool) -> None:
-        flight = self.flights.loads.get(tid)
-        if flight is None or (rank is not None and rank in flight.acked):
-            self.counters.reports_ignored += 1
-            return
-        if rank is None:
-            flight.anonymous_acks += 1
-        else:
-            flight.acked.add(rank)
-        if not ok:
-            self.counters.loads_failed += 1
-            self._stale.add(flight.key)  # its bytes could not be read; never promise it again
-        if flight.reports() < self._participants:
-            return
-        # Remove the record before releasing the pin: a replayed report then
-        # finds nothing and cannot release a later load's pin.
-        del self.flights.loads[tid]
-        self._release_pin(flight.key)
-        if ok:
-            self.counters.loads_completed += 1
+        for name in WORKER_COUNTERS:
+            self._worker_totals[name] += report.stats.get(name, 0.0)
+        self.settlement.apply(report)
 
     def _release_pin(self, key: str) -> None:
         entry = self.allocator.unpin(key)
@@ -423,69 +332,29 @@ class ECCPUScheduler:
         return False, None
 
     def has_pending_push_work(self) -> bool:
-        """True while a copy is in flight and empty steps can collect its report.
+        """True while a copy awaits its report and empty steps can collect it.
 
         A pure query (vLLM asks several times per iteration). On the V1 runner
         empty steps never reach the workers, so it stays False there: the
-        engine may idle and the report arrives with the next real step.
+        engine may idle and the report arrives with the next real step. A
+        copy past the report bound no longer counts, so the engine can idle.
         """
-        return self._empty_steps_reach_workers and bool(self.flights)
+        return self._empty_steps_reach_workers and self.settlement.awaiting_reports
 
     def stat_totals(self) -> dict[str, float]:
         """Cumulative counters (stats names) and current gauges of this engine."""
-        c = self.counters
-        totals: dict[str, float] = {
-            "lookups": c.lookups,
-            "hits": c.hits,
-            "misses": c.lookups - c.hits,
-            "saves": c.saves_completed,
-            "loads": c.loads_completed,
-            "saves_failed": c.saves_failed,
-            "loads_failed": c.loads_failed,
-            "saves_not_admitted": c.saves_not_admitted,
-            "saves_skipped": c.saves_skipped_full
-            + c.saves_skipped_oversize
-            + c.saves_skipped_empty
-            + c.saves_skipped_unmeasured,
-            "evictions": c.evictions,
-            "reclaimed": c.saves_reclaimed + c.loads_reclaimed,
-            "stale_dropped": c.stale_dropped,
-            **self._worker_totals,
-        }
-        alloc = self.allocator
-        totals["region_blocks"] = alloc.num_blocks
-        totals["region_used_blocks"] = alloc.num_blocks - alloc.num_free_blocks
-        totals["region_entries"] = len(alloc)
-        totals["region_held_entries"] = alloc.num_held_entries
-        return totals
+        return stat_totals(self.counters, self.allocator, self._worker_totals)
 
     def get_ec_connector_stats(self) -> ECCPUConnectorStats | None:
         """What changed since the previous call (counter deltas) and the gauges.
 
         None when no counter moved, so idle steps cost vLLM nothing.
         """
-        totals = self.stat_totals()
-        data: dict[str, float] = {}
-        for name, value in totals.items():
-            if name in COUNTERS:
-                delta = value - self._published.get(name, 0.0)
-                if delta:
-                    data[name] = delta
-            else:
-                data[name] = value
-        if not any(name in COUNTERS for name in data):
-            return None
-        self._published = {name: totals[name] for name in COUNTERS}
-        return ECCPUConnectorStats(data=data)
+        return self._publisher.changes(self.stat_totals())
 
     def _on_evict(self, entry: Entry) -> None:
         self.counters.evictions += 1
         self.counters.evicted_blocks += entry.num_blocks
-
-    def _warn_once(self, tag: str, message: str, *args: object) -> None:
-        if tag not in self._warned:
-            self._warned.add(tag)
-            logger.warning(message, *args)
 
     def shutdown(self) -> None:
         """Forget all state and stop answering hits. Idempotent."""
@@ -494,8 +363,9 @@ class ECCPUScheduler:
         self._shut_down = True
         self.is_producer = self.is_consumer = False
         self._pending_saves = {}
+        self._pending_shapes = {}
         self._pending_loads = {}
         self._promised.clear()
         self._stale.clear()
-        self.flights.clear()
+        self.settlement.clear()
         self.allocator.clear()
