@@ -15,8 +15,8 @@ from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache imp
     EmbeddingCache,
 )
 
-from ec_core.allocator import BlockAllocator
-from ec_core.policy import DEFAULT_POLICY, make_policy
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.policy import DEFAULT_POLICY, make_policy
 
 
 class OursCache:

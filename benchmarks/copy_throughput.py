@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata
-from ec_core.worker import RankInfo
+from ec_core.worker_process.ranks import RankInfo
 from ec_worker_cpu.worker import CpuECCPUWorker
 from ectools.configs import make_vllm_config
 from ectools.tiny_blip2 import TinyBlip2, write_config_only

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 
-from ec_core.policy import DEFAULT_POLICY
+from ec_core.scheduler_process.policy import DEFAULT_POLICY
 
 from caches import InTreeCache, OursCache
 from workloads import MAX_ROWS, MIN_ROWS

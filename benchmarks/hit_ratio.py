@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ec_core.policy import DEFAULT_POLICY
+from ec_core.scheduler_process.policy import DEFAULT_POLICY
 
 from caches import InTreeCache, OursCache
 from workloads import CAPACITIES, Trace, all_traces

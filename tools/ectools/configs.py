@@ -14,7 +14,7 @@ def make_vllm_config(
     *,
     role: str | None = "ec_both",
     extra: dict[str, Any] | None = None,
-    connector: str = "CpuECCPUConnector",
+    connector: str = "ECCPUTierConnector",
     module_path: str | None = None,
     widths: dict[str, int] | None = None,
     **engine_kwargs: Any,

@@ -47,8 +47,6 @@ class Device:
     """The name of the host registration call, for the table."""
     worker_class: type[Any]
     runtime_class: type[Any]
-    connector: str
-    module_path: str
     available: Callable[[], bool]
     device: Callable[[], torch.device]
     synchronize: Callable[[], None]
@@ -81,7 +79,7 @@ def run_checks(spec: Device, argv: list[str] | None = None) -> int:
         return 0
 
     from ec_core.metadata import ECCPUConnectorMetadata
-    from ec_core.worker import RankInfo
+    from ec_core.worker_process.ranks import RankInfo
     from ectools.configs import make_vllm_config
     from ectools.fake_device import FakeDeviceRuntime
     from ectools.tiny_blip2 import TinyBlip2, write_config_only
@@ -118,8 +116,6 @@ def run_checks(spec: Device, argv: list[str] | None = None) -> int:
     config = make_vllm_config(
         model_dir,
         dtype="bfloat16",
-        connector=spec.connector,
-        module_path=spec.module_path,
         extra={
             "ec_cpu_bytes": region_bytes,
             "ec_cpu_dir": tempfile.mkdtemp(prefix="ec-device-region-"),

@@ -32,8 +32,9 @@ class EngineSpec:
     """Image indices per pass; each pass is one `generate` call."""
     image_size: int = 32
     connector: str | None = None
-    """Connector name, e.g. `CpuECCPUConnector`; None runs without one."""
-    module_path: str | None = "ec_worker_cpu"
+    """Connector name, e.g. `ECCPUTierConnector`; None runs without one."""
+    module_path: str | None = None
+    """`ec_connector_module_path`; None: the name is resolved through vLLM's registry."""
     role: str = "ec_both"
     extra: dict[str, Any] = field(default_factory=dict)
     multiprocess: bool = True
@@ -64,12 +65,11 @@ the second pass is served by re-encoding or by the region."""
 def connector_spec(
     model_dir: str, region_dir: str | os.PathLike[str], **changes: Any
 ) -> EngineSpec:
-    """The engine tests' spec with CpuECCPUConnector (module path, 4 MiB region)."""
+    """The engine tests' spec with ECCPUTierConnector by name alone and a 4 MiB region."""
     spec = EngineSpec(
         model_dir=model_dir,
         passes=TEST_PASSES,
-        connector="CpuECCPUConnector",
-        module_path="ec_worker_cpu",
+        connector="ECCPUTierConnector",
         extra={"ec_cpu_bytes": "4MiB", "ec_cpu_dir": os.fspath(region_dir)},
     )
     return replace(spec, **changes)
@@ -96,7 +96,7 @@ def corrupt_regions(directory: str | os.PathLike[str], seed: int = 7) -> int:
     """Overwrite every region's block area with noise; returns files touched."""
     import numpy as np
 
-    from ec_core.region import HEADER_BYTES
+    from ec_core.region.files import HEADER_BYTES
 
     files = region_files(directory)
     for path in files:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ec_core.transfer import DescriptorBatch, TransferDirection
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
 
 
 class FakeStream:

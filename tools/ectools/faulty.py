@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 
 from ec_core.metadata import ECCPUWorkerReport
-from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle
-from ec_scheduler.connector import ECCPUTierConnector
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection, TransferHandle
+from ec_scheduler.shell.connector import ECCPUTierConnector
 from ec_worker_cpu.worker import CpuECCPUWorker
 
 

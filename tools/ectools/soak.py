@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.region import ECSharedRegion
-from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle
-from ec_core.worker import RankInfo
+from ec_core.region.mapping import ECSharedRegion
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection, TransferHandle
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
 from ectools.driving import Item, StepDriver, connector_output, make_request, scheduler_output

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.streamed import StreamedECCPUWorker
-from ec_core.transfer import TransferDirection
-from ec_core.worker import RankInfo
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.streamed import StreamedECCPUWorker
+from ec_core.worker_process.transfer import TransferDirection
 from ectools.configs import make_vllm_config
 from ectools.driving import save_meta
 from ectools.fake_device import FakeDeviceRuntime

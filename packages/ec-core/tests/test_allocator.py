@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ec_core.allocator import AllocatorError, BlockAllocator, Entry
-from ec_core.extents import FreeExtents
-from ec_core.policy import EvictionPolicy, LRUPolicy
+from ec_core.scheduler_process.allocator import AllocatorError, BlockAllocator, Entry
+from ec_core.scheduler_process.extents import FreeExtents
+from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
 
 
 def test_free_extents_merge_neighbours() -> None:

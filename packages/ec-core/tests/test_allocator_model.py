@@ -15,8 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ec_core.allocator import BlockAllocator
-from ec_core.policy import make_policy
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.policy import make_policy
 
 POOL = 64
 

@@ -1,4 +1,4 @@
-"""Region layout and the seed's factory, from real vLLM configs."""
+"""Region layout and create_ec_shared_region, from real vLLM configs."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ec_core.allocator import BlockAllocator
-from ec_core.policy import POLICIES, LRUPolicy, S3LFUPolicy, make_policy
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.policy import POLICIES, LRUPolicy, S3LFUPolicy, make_policy
 
 
 def _save(alloc: BlockAllocator, key: str, n: int, *, seen: int = 1) -> bool:

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ec_core import region as region_mod
-from ec_core.region import (
+from ec_core.region import mapping as region_mod
+from ec_core.region.files import (
     FILE_PREFIX,
     FILE_SUFFIX,
     HEADER_BYTES,
-    ECSharedRegion,
     RegionError,
     owner_digest,
     region_file_name,
 )
+from ec_core.region.mapping import ECSharedRegion
 
 BLOCK = 256
 BLOCKS = 32

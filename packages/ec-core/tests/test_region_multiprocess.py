@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ec_core.region import FILE_PREFIX, ECSharedRegion
+from ec_core.region.files import FILE_PREFIX
+from ec_core.region.mapping import ECSharedRegion
 
 BLOCK = 4096
 BLOCKS = 64

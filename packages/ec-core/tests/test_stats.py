@@ -9,14 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ec_core.stats import (
-    COUNTERS,
-    GAUGES,
-    ECCPUConnectorStats,
-    ECCPUPromMetrics,
-    parse_rank_copy_key,
-    rank_copy_key,
-)
+from ec_core.frontend_process.prometheus import ECCPUPromMetrics
+from ec_core.stats import COUNTERS, GAUGES, ECCPUConnectorStats, parse_rank_copy_key, rank_copy_key
 
 
 def test_stats_aggregate_sums_counters_and_keeps_newest_gauges() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ec_core.streamed import StreamedECCPUWorker
+from ec_core.worker_process.streamed import StreamedECCPUWorker
 from ectools.streamed_contract import *  # noqa: F403  (the shared backend contract)
 from ectools.streamed_contract import Factory, streamed_factory
 

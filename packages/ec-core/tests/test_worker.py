@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.transfer import DescriptorBatch, TransferDirection, TransferHandle, block_runs
-from ec_core.worker import ECCPULoadError, ECCPUWorker, RankInfo
+from ec_core.worker_process.entries import ECCPULoadError
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.transfer import (
+    DescriptorBatch,
+    TransferDirection,
+    TransferHandle,
+    block_runs,
+)
+from ec_core.worker_process.worker import ECCPUWorker
 from ectools.configs import make_vllm_config
 
 WIDTH = 128

@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from vllm.config import VllmConfig
 
-from ec_core.allocator import Entry
 from ec_core.layout import region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.scheduler_process.allocator import Entry
 from ec_core.settings import ECCPUSettings
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config

@@ -20,10 +20,8 @@ import pytest
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata
-from ec_core.transfer import DescriptorBatch, TransferDirection
-from ec_core.worker import RankInfo
-from ec_worker_ascend import CONNECTOR_NAME, AscendECCPUConnector, AscendECCPUWorker
-from ec_worker_ascend._plugin import register
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
 from ec_worker_ascend.runtime import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -35,8 +33,9 @@ from ec_worker_ascend.runtime import (
     AclLibrary,
     NpuRuntime,
 )
+from ec_worker_ascend.worker import AscendECCPUWorker
 from ectools.backend_checks import (
-    check_connector_resolution,
+    check_backend_announcement,
     modules_after_import,
     run_fake_device_checks,
 )
@@ -52,8 +51,7 @@ def make(tiny_model_dir: str, tmp_path: Path) -> Iterator[Factory]:
         AscendECCPUWorker,
         tiny_model_dir,
         tmp_path,
-        connector=CONNECTOR_NAME,
-        module_path="ec_worker_ascend",
+        connector="ECCPUTierConnector",
     )
 
 
@@ -201,8 +199,7 @@ def config(tiny_model_dir: str, tmp_path: Path) -> Any:
     return make_vllm_config(
         tiny_model_dir,
         extra={"ec_cpu_bytes": 16384 * WIDTH * 4, "ec_cpu_dir": str(tmp_path)},
-        connector=CONNECTOR_NAME,
-        module_path="ec_worker_ascend",
+        connector="ECCPUTierConnector",
     )
 
 
@@ -373,16 +370,13 @@ def test_without_torch_npu_the_worker_fails_clearly_and_leaves_no_region(
 
 def test_package_imports_without_torch_npu() -> None:
     watch = ["torch", "vllm", "torch_npu"]
-    assert modules_after_import(["ec_worker_ascend", "ec_worker_ascend._plugin"], watch) == []
+    assert modules_after_import(["ec_worker_ascend"], watch) == []
     loaded = modules_after_import(["ec_worker_ascend.runtime", "ec_worker_ascend.worker"], watch)
     assert "torch_npu" not in loaded
 
 
-def test_connector_by_module_path_and_by_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    check_connector_resolution(
-        monkeypatch, CONNECTOR_NAME, "ec_worker_ascend", AscendECCPUConnector, register
-    )
-    assert AscendECCPUConnector.worker_class == "ec_worker_ascend.worker:AscendECCPUWorker"
+def test_the_backend_announces_itself_for_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_backend_announcement(monkeypatch, "ec_worker_ascend", "npu")
 
 
 def test_npu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:

@@ -1,10 +1,7 @@
-"""The CPU backend: worker copies, connector shell, registration."""
+"""The CPU backend: worker copies, the one connector on a CPU host, its announcement."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +12,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.v1.outputs import ECConnectorOutput
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.worker import RankInfo
+from ec_core.worker_process.ranks import RankInfo
 from ec_scheduler import ECCPUScheduler
-from ec_worker_cpu import CONNECTOR_NAME, CpuECCPUConnector, CpuECCPUWorker
-from ec_worker_cpu._plugin import register
-from ectools.backend_checks import check_connector_resolution, modules_after_import
+from ec_scheduler.shell.connector import ECCPUTierConnector
+from ec_worker_cpu.worker import CpuECCPUWorker
+from ectools.backend_checks import check_backend_announcement, modules_after_import
 from ectools.configs import make_vllm_config
 from ectools.driving import Item, StepDriver, make_request, save_meta
 from ectools.faulty import FailingLoadsWorker
@@ -33,14 +30,13 @@ def config(tiny_model_dir: str, tmp_path: Path) -> Any:
         tiny_model_dir,
         extra={"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)},
         widths={"image": WIDTH},
-        module_path="ec_worker_cpu",
     )
 
 
 @pytest.fixture
-def connectors(config: Any) -> Iterator[tuple[CpuECCPUConnector, CpuECCPUConnector]]:
-    worker = CpuECCPUConnector(config, ECConnectorRole.WORKER)
-    scheduler = CpuECCPUConnector(config, ECConnectorRole.SCHEDULER)
+def connectors(config: Any) -> Iterator[tuple[ECCPUTierConnector, ECCPUTierConnector]]:
+    worker = ECCPUTierConnector(config, ECConnectorRole.WORKER)
+    scheduler = ECCPUTierConnector(config, ECConnectorRole.SCHEDULER)
     yield scheduler, worker
     worker.shutdown()
     scheduler.shutdown()
@@ -107,6 +103,7 @@ def test_failed_loads_fall_back_to_real_synchronous_copies(
 
 
 def test_roles_build_one_delegate_each(connectors: tuple[Any, Any]) -> None:
+    """On a CPU host the one connector builds the CPU backend's worker."""
     scheduler, worker = connectors
     assert isinstance(scheduler.scheduler, ECCPUScheduler)
     assert isinstance(worker.worker, CpuECCPUWorker)
@@ -156,41 +153,13 @@ def test_shutdown_is_idempotent_and_removes_the_region(connectors: tuple[Any, An
     assert not path.exists()
 
 
-def test_connector_by_module_path_and_by_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    check_connector_resolution(
-        monkeypatch, CONNECTOR_NAME, "ec_worker_cpu", CpuECCPUConnector, register
-    )
+def test_the_backend_announces_itself_for_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_backend_announcement(monkeypatch, "ec_worker_cpu", "cpu")
 
 
-def test_package_and_plugin_imports_are_light() -> None:
-    heavy = ["torch", "vllm", "ec_worker_cpu.worker", "ec_core.worker"]
-    assert modules_after_import(["ec_worker_cpu", "ec_worker_cpu._plugin", "ec_core"], heavy) == []
-
-
-def test_scheduler_role_never_imports_the_worker_module(
-    tiny_model_dir: str, tmp_path: Path
-) -> None:
-    code = textwrap.dedent(
-        f"""
-        import sys
-        from ectools.configs import make_vllm_config
-        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-        config = make_vllm_config(
-            {tiny_model_dir!r},
-            extra={{"ec_cpu_bytes": "1MiB", "ec_cpu_dir": {str(tmp_path)!r}}},
-            module_path="ec_worker_cpu",
-        )
-        connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
-        print(type(connector).__name__, "ec_worker_cpu.worker" in sys.modules)
-        """
-    )
-    tools = str(Path(__file__).resolve().parents[3] / "tools")
-    env = {**__import__("os").environ, "PYTHONPATH": tools}
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
-    )
-    assert out.stdout.strip().splitlines()[-1] == "CpuECCPUConnector False"
+def test_package_import_is_light() -> None:
+    heavy = ["torch", "vllm", "ec_worker_cpu.worker", "ec_core.worker_process.worker"]
+    assert modules_after_import(["ec_worker_cpu", "ec_core"], heavy) == []
 
 
 def test_large_entry_round_trip_through_prefaulted_buffers(

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from ec_core.transfer import DescriptorBatch, TransferDirection
-from ec_core.worker import RankInfo
-from ec_worker_cuda import CONNECTOR_NAME, CudaECCPUConnector, CudaECCPUWorker
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
 from ec_worker_cuda import runtime as cuda_runtime
-from ec_worker_cuda._plugin import register
 from ec_worker_cuda.runtime import CudaRuntimeError, TorchCudaRuntime
+from ec_worker_cuda.worker import CudaECCPUWorker
 from ectools.backend_checks import (
-    check_connector_resolution,
+    check_backend_announcement,
     modules_after_import,
     run_fake_device_checks,
 )
@@ -31,21 +30,20 @@ def make(tiny_model_dir: str, tmp_path: Path) -> Iterator[Factory]:
         CudaECCPUWorker,
         tiny_model_dir,
         tmp_path,
-        connector=CONNECTOR_NAME,
-        module_path="ec_worker_cuda",
+        connector="ECCPUTierConnector",
     )
 
 
 def test_package_imports_without_cuda_or_torch() -> None:
     heavy = ["torch", "vllm", "ec_worker_cuda.worker"]
-    assert modules_after_import(["ec_worker_cuda", "ec_worker_cuda._plugin"], heavy) == []
+    assert modules_after_import(["ec_worker_cuda"], heavy) == []
     # The worker and runtime modules import on a CPU-only host too.
     assert modules_after_import(["ec_worker_cuda.worker", "ec_worker_cuda.runtime"], ["torch"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure")
 def test_real_runtime_refuses_clearly_without_cuda(tiny_model_dir: str, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"needs a CUDA device.*CpuECCPUConnector"):
+    with pytest.raises(RuntimeError, match=r"needs a CUDA device.*ec-worker-cpu"):
         TorchCudaRuntime()
     config = make_vllm_config(
         tiny_model_dir, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
@@ -125,11 +123,8 @@ def test_find_swap_blocks_batch_needs_the_kernel(monkeypatch: pytest.MonkeyPatch
     assert cuda_runtime.find_swap_blocks_batch() is None
 
 
-def test_connector_by_module_path_and_by_registered_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    check_connector_resolution(
-        monkeypatch, CONNECTOR_NAME, "ec_worker_cuda", CudaECCPUConnector, register
-    )
-    assert CudaECCPUConnector.worker_class == "ec_worker_cuda.worker:CudaECCPUWorker"
+def test_the_backend_announces_itself_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_backend_announcement(monkeypatch, "ec_worker_cuda", "cuda")
 
 
 def test_gpu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:

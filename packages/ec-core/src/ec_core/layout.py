@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ec_core.region import ECSharedRegion, owner_digest, region_file_name
+from ec_core.region.files import owner_digest, region_file_name
+from ec_core.region.mapping import ECSharedRegion
 from ec_core.settings import ECCPUSettings
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def open_region(layout: RegionLayout) -> ECSharedRegion:
 
 
 def create_ec_shared_region(vllm_config: VllmConfig) -> ECSharedRegion:
-    """Build the engine's shared region from `vllm_config` (the seed's factory).
+    """Build the engine's shared region from `vllm_config` (the factory of vLLM's in-tree design).
 
     Every process of one engine computes the same identity and geometry, so
     the first caller creates the file and the others join it.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ec_core._vllm import get_logger
-from ec_core.policy import DEFAULT_POLICY, POLICIES
+from ec_core.scheduler_process.policy import DEFAULT_POLICY, POLICIES
 from ec_core.sizes import SizeError, parse_byte_size
 
 logger = get_logger(__name__)

@@ -1,4 +1,4 @@
-"""Connector statistics through vLLM's hooks: interval stats and Prometheus.
+"""Connector statistics through vLLM's hooks: the metric names and the interval stats.
 
 The scheduler half hands vLLM an `ECCPUConnectorStats` after every step in
 which something happened (`get_ec_connector_stats`): counter *deltas* since the
@@ -7,25 +7,22 @@ copy time) reach the scheduler inside the workers' reports, because vLLM's V1
 runner never asks the worker connector for stats; every rank's figures are
 summed. vLLM ships the stats' `data` to its front end, where
 `build_ec_connector_stats` rebuilds them for the periodic "EC Transfer metrics"
-log line and `build_prom_metrics` exports them as Prometheus families.
+log line and `build_prom_metrics` exports them as Prometheus families
+(`ec_core.frontend_process.prometheus`).
+
+Runs in the scheduler process (building stats) and in vLLM's front end
+(folding and reducing them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
 
 # isort: split
 
-from vllm.distributed.ec_transfer.ec_connector.metrics import (
-    ECConnectorPromMetrics,
-    ECConnectorStats,
-)
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 PREFIX = "vllm:ec_cpu_"
 
@@ -124,69 +121,12 @@ class ECCPUConnectorStats(ECConnectorStats):
         return not any(value for name, value in self.data.items() if is_counter(name))
 
 
-class ECCPUPromMetrics(ECConnectorPromMetrics):
-    """One Prometheus family per counter and gauge, one child per engine.
-
-    Counters are named `vllm:ec_cpu_<name>` (exposed with `_total`), gauges
-    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels. The per-rank family
-    `vllm:ec_cpu_rank_copies` carries `rank` and `op` labels as well; its
-    children appear as ranks report.
-    """
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[Any], type[Any]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        self._gauges: dict[str, dict[int, Any]] = {}
-        for name, help_text in COUNTERS.items():
-            family = self._counter_cls(
-                name=PREFIX + name, documentation=help_text, labelnames=labelnames
-            )
-            self._counters[name] = self._per_engine(family)
-        gauge_cls: Any = self._gauge_cls  # typed as any metric class by vLLM
-        for name, help_text in GAUGES.items():
-            family = gauge_cls(
-                name=PREFIX + name,
-                documentation=help_text,
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            )
-            self._gauges[name] = self._per_engine(family)
-        self._rank_copies: Any = self._counter_cls(
-            name=PREFIX + RANK_COPIES,
-            documentation=RANK_COPIES_HELP,
-            labelnames=[*labelnames, "rank", "op"],
-        )
-
-    def _per_engine(self, family: Any) -> dict[int, Any]:
-        return {
-            engine: family.labels(*values) for engine, values in self.per_engine_labelvalues.items()
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            if name in self._counters and value > 0:
-                self._counters[name][engine_idx].inc(value)
-            elif name in self._gauges:
-                self._gauges[name][engine_idx].set(value)
-            elif value > 0 and (parsed := parse_rank_copy_key(name)) is not None:
-                op, rank = parsed
-                engine = self.per_engine_labelvalues[engine_idx]
-                self._rank_copies.labels(*engine, rank, op).inc(value)
-
-
 __all__ = [
     "COUNTERS",
     "GAUGES",
     "RANK_COPY_OPS",
     "WORKER_COUNTERS",
     "ECCPUConnectorStats",
-    "ECCPUPromMetrics",
     "is_counter",
     "parse_rank_copy_key",
     "rank_copy_key",

@@ -1,11 +1,13 @@
-"""ec-scheduler: the scheduler-process half of the EC CPU tier for vLLM.
+"""ec-scheduler: the scheduler half of the EC CPU tier for vLLM, and its connector.
 
 `ECCPUScheduler` decides, per engine step, which encoder outputs to save into
 the shared region and which entries to load back, applies the workers'
-reports, and evicts by policy. It never maps the region and never imports
-device code. `ECCPUTierConnector` is the connector shell backends subclass.
+reports and evicts by policy; every module at this level runs in the
+scheduler process only, never maps the region and never imports device code.
+`shell/` holds `ECCPUTierConnector`, the connector vLLM instantiates in every
+process, the backend discovery and the plugin that registers its names.
 
-Names are imported on first use (a backend's plugin imports this package).
+Names are imported on first use (vLLM's plugin loader imports this package).
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ from ec_core.lazy import lazy_exports
 
 _EXPORTS = {
     "ECCPUScheduler": "ec_scheduler.scheduler",
-    "ECCPUTierConnector": "ec_scheduler.connector",
+    "ECCPUTierConnector": "ec_scheduler.shell.connector",
+    "Backend": "ec_scheduler.shell.backends",
     "SchedulerCounters": "ec_scheduler.counters",
 }
 
-__all__ = ["ECCPUScheduler", "ECCPUTierConnector", "SchedulerCounters"]
+__all__ = ["Backend", "ECCPUScheduler", "ECCPUTierConnector", "SchedulerCounters"]
 
 if TYPE_CHECKING:
-    from ec_scheduler.connector import ECCPUTierConnector
     from ec_scheduler.counters import SchedulerCounters
     from ec_scheduler.scheduler import ECCPUScheduler
+    from ec_scheduler.shell.backends import Backend
+    from ec_scheduler.shell.connector import ECCPUTierConnector
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

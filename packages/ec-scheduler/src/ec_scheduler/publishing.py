@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ec_core.allocator import BlockAllocator
+from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_core.stats import ECCPUConnectorStats, is_counter, rank_copy_key
 from ec_scheduler.counters import SchedulerCounters
 

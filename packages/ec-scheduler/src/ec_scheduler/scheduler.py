@@ -4,21 +4,9 @@ It owns every decision: which encoder outputs to save into the region, which
 entries to load back, when a copy has landed, and what to evict. It never maps
 the region (it needs only the geometry) and never imports device code.
 
-One engine step, in vLLM's call order:
-
-1. `ensure_cache_available(request)` — drops entries whose stored shape no
-   longer matches the request's item (a reused UUID with new content).
-2. `has_cache_item(h)` — True only for a ready entry on a consumer; the entry
-   is pinned on the spot (a *promise*), so nothing allocated later in the same
-   step (a save of another item of the same request included) can evict it.
-3. `update_state_after_alloc(request, i)` — a promised item becomes a load
-   (the promise's pin is handed to the load, a fresh transfer id is minted); a
-   computed item on a producer gets blocks for a save.
-4. `build_connector_meta()` — hands the step's saves and loads to the workers,
-   releases promises vLLM did not take up, and reclaims overdue copies.
-5. `update_connector_output()` — the workers' reports, applied by
-   `Settlement` (see its block-reuse invariant): saves become ready, a load's
-   pin is released once every live rank has finished it.
+Runs in the scheduler process. vLLM's call order is drawn once, in
+`ec_scheduler.shell.connector`; what each call guarantees is on its method
+here, and what the workers' reports do is in `ec_scheduler.settlement`.
 """
 
 from __future__ import annotations
@@ -27,11 +15,11 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ec_core._vllm import get_logger
-from ec_core.allocator import BlockAllocator, Entry
 from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.policy import make_policy
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.scheduler_process.allocator import BlockAllocator, Entry
+from ec_core.scheduler_process.policy import make_policy
 from ec_core.sizes import format_bytes
 from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
 from ec_scheduler.counters import SchedulerCounters
@@ -128,7 +116,13 @@ class ECCPUScheduler:
     # ------------------------------------------------------------ lookups
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True iff a ready entry exists on a consumer; pins it for this step."""
+        """True iff a ready entry exists on a consumer.
+
+        The entry is pinned on the spot (a *promise*): nothing allocated later in
+        the step, a save of another item of the same request included, can evict
+        it before its load is dispatched. `build_connector_meta` releases the
+        promises vLLM did not take up.
+        """
         if not self.is_consumer:
             return False
         if identifier in self._promised or identifier in self._pending_loads:
@@ -187,7 +181,15 @@ class ECCPUScheduler:
     # --------------------------------------------------------- allocation
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Turn a promised item into a load, or give a computed item a save."""
+        """Turn a promised item into a load, or give a computed item a save.
+
+        A load gets a fresh transfer id and the promise's pin (the same item in
+        several requests of one step is loaded once). A save is sized from the
+        modality's measured width and the item's embedding count, unless the item
+        cannot be saved: larger than the region, no embeddings, or a modality
+        without a measured width (one warning per kind), or a region full of held
+        entries (counted). Never raises for an item.
+        """
         if self._shut_down:
             return
         feature = request.mm_features[index]
@@ -270,7 +272,12 @@ class ECCPUScheduler:
     # ---------------------------------------------------------- step edge
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
-        """Hand this step's saves and loads to the workers and reset them."""
+        """Hand this step's saves and loads to the workers and reset them.
+
+        The metadata carries the step's number and each save's shape; promises
+        vLLM did not take up are released, and copies past the report bound are
+        marked overdue.
+        """
         self._step += 1
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1

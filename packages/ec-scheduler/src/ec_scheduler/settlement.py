@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ec_core._vllm import get_logger
-from ec_core.allocator import BlockAllocator
 from ec_core.metadata import ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flight, Flights, LoadFlight, Ranks, ReportBound, SaveFlight
 

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ec_core.transfer import DescriptorBatch, TransferDirection
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
 
 ACL_HOST_REG_PINNED = 0x10000000
 ACL_MEMCPY_HOST_TO_DEVICE = 1
@@ -175,8 +175,8 @@ class NpuRuntime:
             except ImportError as exc:
                 raise RuntimeError(
                     "AscendECCPUWorker needs torch_npu (with a CANN runtime) in the worker "
-                    f"process: {exc}. Install vllm-ascend's torch_npu; on CPU hosts use "
-                    "CpuECCPUConnector"
+                    f"process: {exc}. Install vllm-ascend's torch_npu; on a CPU host the "
+                    "platform's backend is ec-worker-cpu"
                 ) from exc
             npu = torch.npu  # type: ignore[attr-defined]
         if not npu.is_available():

@@ -8,7 +8,7 @@ backend supplies the Ascend calls through `NpuRuntime`.
 
 from __future__ import annotations
 
-from ec_core.streamed import DeviceRuntime, StreamedECCPUWorker
+from ec_core.worker_process.streamed import DeviceRuntime, StreamedECCPUWorker
 from ec_worker_ascend.runtime import NpuRuntime
 
 

@@ -14,8 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ec_core.transfer import CompletedTransfer, DescriptorBatch, TransferDirection, TransferHandle
-from ec_core.worker import ECCPUWorker
+from ec_core.worker_process.transfer import (
+    CompletedTransfer,
+    DescriptorBatch,
+    TransferDirection,
+    TransferHandle,
+)
+from ec_core.worker_process.worker import ECCPUWorker
 
 _memmove = ctypes.memmove
 _libc = ctypes.CDLL(None, use_errno=True)

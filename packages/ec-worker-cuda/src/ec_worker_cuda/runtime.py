@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ec_core.transfer import DescriptorBatch, TransferDirection
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
 
 BatchOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
 
@@ -69,7 +69,8 @@ class TorchCudaRuntime:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaECCPUWorker needs a CUDA device, but torch.cuda.is_available() is False "
-                f"(torch {torch.__version__}); use CpuECCPUConnector on CPU hosts"
+                f"(torch {torch.__version__}); on a CPU host the platform's backend is "
+                "ec-worker-cpu"
             )
         self.device = (
             device if device is not None else torch.device("cuda", torch.cuda.current_device())

@@ -8,7 +8,7 @@ ec-core's `StreamedECCPUWorker`; this backend supplies the CUDA calls through
 
 from __future__ import annotations
 
-from ec_core.streamed import DeviceRuntime, StreamedECCPUWorker
+from ec_core.worker_process.streamed import DeviceRuntime, StreamedECCPUWorker
 from ec_worker_cuda.runtime import TorchCudaRuntime
 
 

@@ -23,8 +23,9 @@ import torch
 
 from ec_core._vllm import get_logger
 from ec_core.sizes import format_bytes
-from ec_core.transfer import DescriptorBatch, TransferDirection
-from ec_core.worker import ECCPUWorker, RankInfo
+from ec_core.worker_process.ranks import RankInfo
+from ec_core.worker_process.transfer import DescriptorBatch, TransferDirection
+from ec_core.worker_process.worker import ECCPUWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

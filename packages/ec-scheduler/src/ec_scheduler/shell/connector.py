@@ -1,20 +1,33 @@
-"""The role-routed connector shell that vLLM instantiates.
+"""ECCPUTierConnector: the connector vLLM instantiates, one name on every device.
 
-vLLM builds one connector per process and role. The shell builds exactly one
-delegate — the scheduler half in the scheduler process, the backend's worker
-in each worker process — and forwards vLLM's calls to it. The delegates are
-built through two construction seams, `_make_scheduler` and `_make_worker`;
-the worker class is named by a string and imported only in the worker role,
-so the scheduler process never imports device code. (ec-core cannot import
-the scheduler package; `ec_scheduler.connector` fills `_make_scheduler`.)
+vLLM builds one connector per process and role. In the scheduler process this
+shell holds the scheduler half (`ECCPUScheduler`); in each worker process,
+the worker of the backend that serves vLLM's platform (`shell.backends`),
+imported only there, so the scheduler process never imports device code.
 
-It works on vLLM's V1 model runner and does not refuse V2.
+vLLM's calls, in the order of one engine step, and where each goes:
+
+    scheduler process                         worker processes
+    -----------------                         ----------------
+    ensure_cache_available(request)
+    has_cache_item(mm_hash)
+    update_state_after_alloc(request, i)
+    build_connector_meta()  ── metadata ──▶   bind_connector_metadata(meta)
+                                              start_load_caches(encoder_cache)
+                                              (the encoder runs)
+                                              save_caches(encoder_cache, mm_hash)
+                                              get_finished()
+    update_connector_output(output) ◀─ report ─ build_connector_worker_meta()
+    get_ec_connector_stats()
+
+What each call guarantees is stated once, on the method of the delegate that
+does the work (`ECCPUScheduler`, `ECCPUWorker`). The shell works on vLLM's V1
+and V2 model runners.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,11 +43,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ec_core._vllm import get_logger
-from ec_core.layout import RegionLayout
 from ec_core.metadata import ECCPUConnectorMetadata
 from ec_core.sizes import format_bytes
-from ec_core.stats import ECCPUConnectorStats, ECCPUPromMetrics
-from ec_core.worker import ECCPUWorker
+from ec_core.stats import ECCPUConnectorStats
+from ec_scheduler.scheduler import ECCPUScheduler
+from ec_scheduler.shell import backends
+from ec_scheduler.shell.backends import CONNECTOR_NAME, Backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,50 +56,32 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
+    from ec_core.frontend_process.prometheus import ECCPUPromMetrics
+    from ec_core.worker_process.worker import ECCPUWorker
+
 logger = get_logger(__name__)
 
 
-class SchedulerHalf(Protocol):
-    """What the shell needs from a scheduler half (ec_scheduler.ECCPUScheduler)."""
+class ECCPUTierConnector(ECConnectorBase):
+    """Routes each vLLM call to the scheduler half or to the backend's worker.
 
-    def has_cache_item(self, identifier: str) -> bool: ...
-    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool: ...
-    def update_state_after_alloc(self, request: Request, index: int) -> None: ...
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata: ...
-    def update_connector_output(self, connector_output: ECConnectorOutput) -> None: ...
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]: ...
-    def has_pending_push_work(self) -> bool: ...
-    def get_ec_connector_stats(self) -> ECCPUConnectorStats | None: ...
-    def shutdown(self) -> None: ...
-
-    @property
-    def layout(self) -> RegionLayout: ...
-
-
-def import_class(path: str) -> type[Any]:
-    """Import `"package.module:ClassName"` and return the class."""
-    module_name, _, class_name = path.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"expected 'module:Class', got {path!r}")
-    return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
-
-
-class ECCPUConnectorBase(ECConnectorBase):
-    """Routes each vLLM call to the scheduler half or to the worker.
-
-    Subclasses set `worker_class` to `"module:Class"` of their ECCPUWorker
-    subclass and provide `_make_scheduler`.
+    The backend is resolved when the connector is built, in both roles, so a
+    host whose platform has no installed backend fails at start-up with an
+    error naming the package to install. `worker_class` (`"module:Class"`)
+    replaces the platform's worker, for tests and custom workers; the
+    construction seams `_make_scheduler` and `_make_worker` can be overridden.
     """
 
-    worker_class: ClassVar[str] = ""
+    worker_class: ClassVar[str | None] = None
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config, role)
-        self._scheduler: SchedulerHalf | None = None
+        self._scheduler: ECCPUScheduler | None = None
         self._worker: ECCPUWorker | None = None
+        self.worker_path = self.worker_class or self._platform_backend(vllm_config).worker
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
-            self._log_startup(vllm_config, self._scheduler.layout)
+            self._log_startup(vllm_config, self._scheduler)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config)
         else:
@@ -93,14 +89,47 @@ class ECCPUConnectorBase(ECConnectorBase):
 
     # ------------------------------------------------------- construction
 
-    def _log_startup(self, vllm_config: VllmConfig, layout: RegionLayout) -> None:
+    @staticmethod
+    def _platform_backend(vllm_config: VllmConfig) -> Backend:
+        device_type = backends.current_device_type()
+        backend = backends.backend_for(device_type)
         ec_config = vllm_config.ec_transfer_config
+        named = backends.backend_named(ec_config.ec_connector if ec_config is not None else None)
+        if named is not None and named.device_type != device_type:
+            logger.warning(
+                "EC CPU tier: %s names the %s backend, but vLLM's platform here is %r: "
+                "using %s (%s). %s works on every device.",
+                named.alias,
+                named.device_type,
+                device_type,
+                backend.worker_name,
+                backend.distribution,
+                CONNECTOR_NAME,
+            )
+        return backend
+
+    def _make_scheduler(self, vllm_config: VllmConfig) -> ECCPUScheduler:
+        return ECCPUScheduler(vllm_config)
+
+    def _make_worker(self, vllm_config: VllmConfig) -> ECCPUWorker:
+        """Import and build the worker (worker processes only)."""
+        from ec_core.worker_process.worker import ECCPUWorker
+
+        cls = backends.load_worker_class(self.worker_path)
+        if not issubclass(cls, ECCPUWorker):
+            raise TypeError(f"{self.worker_path} is not an ECCPUWorker")
+        worker: ECCPUWorker = cls(vllm_config)
+        return worker
+
+    def _log_startup(self, vllm_config: VllmConfig, scheduler: ECCPUScheduler) -> None:
+        ec_config = vllm_config.ec_transfer_config
+        layout = scheduler.layout
         logger.info(
             "EC CPU tier: connector=%s role=%s backend=%s policy=%s region=%s size=%s "
             "blocks=%d block_bytes=%d",
-            type(self).__name__,
+            ec_config.ec_connector if ec_config is not None else CONNECTOR_NAME,
             ec_config.ec_role if ec_config is not None else None,
-            self.worker_class.rpartition(":")[2] or "?",
+            self.worker_path.rpartition(":")[2],
             layout.settings.policy,
             layout.path,
             format_bytes(layout.nbytes),
@@ -108,22 +137,8 @@ class ECCPUConnectorBase(ECConnectorBase):
             layout.block_size_bytes,
         )
 
-    def _make_scheduler(self, vllm_config: VllmConfig) -> SchedulerHalf:
-        """Build the scheduler half (overridden by ec_scheduler's connector)."""
-        raise NotImplementedError(f"{type(self).__name__} has no scheduler half")
-
-    def _make_worker(self, vllm_config: VllmConfig) -> ECCPUWorker:
-        """Import and build this backend's worker (worker processes only)."""
-        if not self.worker_class:
-            raise NotImplementedError(f"{type(self).__name__} names no worker_class")
-        cls = import_class(self.worker_class)
-        if not issubclass(cls, ECCPUWorker):
-            raise TypeError(f"{self.worker_class} is not an ECCPUWorker")
-        worker: ECCPUWorker = cls(vllm_config)
-        return worker
-
     @property
-    def scheduler(self) -> SchedulerHalf:
+    def scheduler(self) -> ECCPUScheduler:
         if self._scheduler is None:
             raise RuntimeError(f"{type(self).__name__} was built for the {self.role.name} role")
         return self._scheduler
@@ -207,6 +222,8 @@ class ECCPUConnectorBase(ECConnectorBase):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> ECCPUPromMetrics:
+        from ec_core.frontend_process.prometheus import ECCPUPromMetrics
+
         return ECCPUPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---------------------------------------------------------- common

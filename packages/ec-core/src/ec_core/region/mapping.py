@@ -1,22 +1,10 @@
-"""The shared host region: one memory-mapped file per engine and DP rank.
+"""ECSharedRegion: one engine's region file, created or joined, and mapped.
 
-Every process of one engine maps the same file and sees the same bytes. The
-file starts with one header page (magic, geometry, owner digest) followed by
-`num_blocks` blocks of `block_size_bytes` each; `blocks` is a zero-copy int8
-tensor over the block area.
-
-Liveness protocol (how a live owner is told from a dead one):
-
-* Each process that maps a region holds a shared `flock` on its file for as
-  long as the mapping is open. The kernel drops the lock when the process
-  dies, however it dies (SIGKILL included).
-* Opening, creating and reclaiming are serialised by an exclusive `flock` on
-  the region directory itself, held only for the duration of the open.
-* So, under the directory lock, a region file on which an exclusive lock can
-  be taken has no live process left: it is stale and is removed. A file that
-  is being created is never seen half-made, because its creator takes its
-  shared lock, sizes it and pre-faults it before releasing the directory lock.
-
+Runs in worker processes (and in test tools that check the bytes); the
+scheduler only needs the geometry (`ec_core.layout`). The file starts with one
+header page (magic, geometry, owner digest) followed by `num_blocks` blocks of
+`block_size_bytes` each; `blocks` is a zero-copy int8 tensor over the block
+area. How live owners are told from dead ones is in `ec_core.region.files`.
 No device pinning happens here: registering the mapping with a device is a
 worker hook.
 """
@@ -25,69 +13,39 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
-import re
-import stat
-import struct
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
 import torch
 
 from ec_core._vllm import get_logger
+from ec_core.region.files import (
+    HEADER,
+    HEADER_BYTES,
+    RegionError,
+    check_header,
+    check_owned_regular_file,
+    exclusive_flock,
+    owner_digest,
+    pack_header,
+    reclaim_stale_regions,
+    region_file_name,
+)
 from ec_core.settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_REGION_DIR, KEY_CPU_BYTES
 from ec_core.sizes import format_bytes
 
 logger = get_logger(__name__)
 
-FILE_PREFIX = "ec_cpu_tier_"
-FILE_SUFFIX = ".mmap"
-HEADER_BYTES = max(mmap.PAGESIZE, 4096)
-"""The block area starts one page into the file, so blocks stay page aligned."""
-
-_MAGIC = b"ECCPUREG"
-_FORMAT_VERSION = 1
-# magic, version, header bytes, block size, block count, owner digest
-_HEADER = struct.Struct("<8sIIQQ32s")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_SAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
-_MAX_ID_CHARS = 96
-_LOCK_POLL_S = 0.005
-_LOCK_POLL_MAX_S = 0.05
-
-
-class RegionError(RuntimeError):
-    """The region could not be opened or created; the message says why."""
-
-
-def region_file_name(engine_id: str, digest: str) -> str:
-    """The file name for a region: safe whatever `engine_id` contains.
-
-    The readable part keeps only `[A-Za-z0-9_.-]` (no `/`, no leading dot,
-    bounded length) so the name cannot leave its directory; the digest of the
-    full identity keeps two different engines apart even when their readable
-    parts coincide.
-    """
-    readable = _SAFE_CHARS.sub("_", engine_id).lstrip(".")[:_MAX_ID_CHARS] or "engine"
-    return f"{FILE_PREFIX}{readable}_{digest[:16]}{FILE_SUFFIX}"
-
-
-def owner_digest(engine_id: str, owner: str, num_blocks: int, block_size_bytes: int) -> str:
-    """SHA-256 (hex) of everything that makes a region this engine's own."""
-    text = "\0".join((engine_id, owner, str(num_blocks), str(block_size_bytes)))
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class ECSharedRegion:
     """A mapping of one engine's region file, created or joined on construction.
 
-    `engine_id` names the region (the seed's `<instance_id>_dp<rank>`);
+    `engine_id` names the region (`<instance_id>_dp<rank>`, see `ec_core.layout`);
     `owner` is any further token that must match for two processes to share
     it (the connector passes the EC transfer config's engine id), so engines
     that happen to share an `engine_id` still get distinct files.
@@ -136,11 +94,9 @@ class ECSharedRegion:
 
         dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with _exclusive_flock(
-                dir_fd, open_timeout_s, what=f"region directory {self.directory}"
-            ):
+            with exclusive_flock(dir_fd, open_timeout_s, what=f"region directory {self.directory}"):
                 try:
-                    _reclaim_stale_regions(dir_fd, self.directory)
+                    reclaim_stale_regions(dir_fd, self.directory)
                     self._open_or_create(dir_fd)
                 except BaseException:
                     # Undone while the directory lock is still held: a process
@@ -200,7 +156,7 @@ class ECSharedRegion:
                 raise RegionError(f"refusing to open {self.path}: it is a symbolic link") from exc
             raise RegionError(f"cannot open existing region {self.path}: {exc}") from exc
         try:
-            _check_owned_regular_file(fd, self.path)
+            check_owned_regular_file(fd, self.path)
         except BaseException:
             os.close(fd)
             raise
@@ -234,14 +190,7 @@ class ECSharedRegion:
                 "%s does not support fallocate; region pages are reserved by pre-faulting",
                 self.directory,
             )
-        header = _HEADER.pack(
-            _MAGIC,
-            _FORMAT_VERSION,
-            HEADER_BYTES,
-            self.block_size_bytes,
-            self.num_blocks,
-            bytes.fromhex(self._digest),
-        )
+        header = pack_header(self.block_size_bytes, self.num_blocks, self._digest)
         os.pwrite(fd, header, 0)
 
     def _verify(self, fd: int) -> None:
@@ -251,23 +200,8 @@ class ECSharedRegion:
                 f"region {self.path} is {size} bytes but this engine's geometry needs "
                 f"{self.file_bytes}; it belongs to another engine configuration"
             )
-        raw = os.pread(fd, _HEADER.size, 0)
-        if len(raw) != _HEADER.size:
-            raise RegionError(f"region {self.path} has a truncated header")
-        magic, version, header_bytes, block_size, num_blocks, digest = _HEADER.unpack(raw)
-        expected = (_MAGIC, _FORMAT_VERSION, HEADER_BYTES, self.block_size_bytes, self.num_blocks)
-        if (
-            magic,
-            version,
-            header_bytes,
-            block_size,
-            num_blocks,
-        ) != expected or digest.hex() != self._digest:
-            raise RegionError(
-                f"region {self.path} was made by another engine or format "
-                f"(magic={magic!r}, version={version}, block_size={block_size}, "
-                f"num_blocks={num_blocks}); refusing to share it"
-            )
+        raw = os.pread(fd, HEADER.size, 0)
+        check_header(raw, self.path, self.block_size_bytes, self.num_blocks, self._digest)
 
     def _prefault(self) -> None:
         assert self._mmap is not None
@@ -385,33 +319,6 @@ class ECSharedRegion:
         self._release_mapping()
 
 
-# ---------------------------------------------------------------- helpers
-
-
-@contextmanager
-def _exclusive_flock(fd: int, timeout_s: float, *, what: str) -> Iterator[None]:
-    """Hold LOCK_EX on `fd`, waiting at most `timeout_s` for it."""
-    deadline = time.monotonic() + timeout_s
-    delay = _LOCK_POLL_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"waited {timeout_s:.0f} s for the lock on {what}; another process "
-                    "is creating a region there or holds the lock (raise "
-                    "ec_region_open_timeout_s if regions are very large)"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, _LOCK_POLL_MAX_S)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
 def _populate_write(mapping: mmap.mmap, start: int, length: int) -> None:
     """Fault in `[start, start + length)` writable, in one system call."""
     mapping.madvise(_MADV_POPULATE_WRITE, start, length)
@@ -429,52 +336,3 @@ def _touch_pages(mapping: mmap.mmap) -> None:
         pages[:: mmap.PAGESIZE] |= 0
     finally:
         del pages
-
-
-def _check_owned_regular_file(fd: int, path: Path) -> None:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise RegionError(f"refusing to use {path}: not a regular file")
-    if st.st_uid != os.geteuid():
-        raise RegionError(f"refusing to use {path}: owned by uid {st.st_uid}, not this user")
-    if st.st_mode & 0o077:
-        raise RegionError(f"refusing to use {path}: mode {stat.S_IMODE(st.st_mode):o} is not 0600")
-
-
-def _reclaim_stale_regions(dir_fd: int, directory: Path) -> None:
-    """Remove region files of dead engines. Caller holds the directory lock.
-
-    A file is stale when no process holds its shared lock. Only regular files
-    of this user with our prefix and suffix are considered; symbolic links and
-    anything else are left alone.
-    """
-    for name in os.listdir(dir_fd):
-        if not (name.startswith(FILE_PREFIX) and name.endswith(FILE_SUFFIX)):
-            continue
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
-            )
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live engine maps it
-            current = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
-                continue
-            os.unlink(name, dir_fd=dir_fd)
-            logger.warning(
-                "Removed stale EC CPU region %s (%s) left by an engine that died",
-                directory / name,
-                format_bytes(st.st_size),
-            )
-        except OSError as exc:
-            logger.warning("Could not inspect possible stale region %s: %s", directory / name, exc)
-        finally:
-            os.close(fd)

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from ec_core.extents import FreeExtents, Run
-from ec_core.policy import EvictionPolicy, LRUPolicy
+from ec_core.scheduler_process.extents import FreeExtents, Run
+from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
 
 WINDOW_CANDIDATES = 32
 """How many of the policy's preferred victims are ranked for a window search."""

@@ -2,26 +2,15 @@
 
 It opens the region, turns each step's saves and loads into copy descriptors
 (one per run of consecutive blocks), submits one batch per direction per
-step through the backend's hooks, tracks the batches in flight and reports
-finished copies every step. A backend subclass fills only the hooks:
-
-    _pin_shared_region()            make the mapping DMA-able (or do nothing)
-    _submit_transfer(batch, dir, keepalive) -> TransferHandle
-                                    enqueue one batch of copies
-    _new_device_buffer(nbytes)      memory for one loaded entry
-    _copy_now(dst, src)             one synchronous copy (the fallback path)
-    _shutdown_transfer_backend()    release what the backend holds
-
-vLLM's per-step call order, and what each call does here, is in the
-docstrings of `start_load_caches`, `save_caches`, `get_finished` and
-`build_connector_worker_meta`.
+step through the backend's hooks (`hooks.py`), falls back to synchronous
+copies when a batch cannot be submitted, tracks the batches in flight
+(`inflight.py`) and reports every step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,12 +19,21 @@ from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, open_region, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
-from ec_core.region import ECSharedRegion
-from ec_core.transfer import (
+from ec_core.region.mapping import ECSharedRegion
+from ec_core.worker_process.entries import (
+    ECCPULoadError,
+    PendingSave,
+    PlannedLoad,
+    plan_load,
+    save_problem,
+)
+from ec_core.worker_process.hooks import WorkerHooks
+from ec_core.worker_process.inflight import InFlight, Transfer
+from ec_core.worker_process.ranks import RankInfo, detect_rank_info
+from ec_core.worker_process.transfer import (
     CompletedTransfer,
     DescriptorBatch,
     TransferDirection,
-    TransferHandle,
     entry_spans,
 )
 
@@ -48,99 +46,9 @@ SAVE = TransferDirection.DEVICE_TO_HOST
 LOAD = TransferDirection.HOST_TO_DEVICE
 
 
-class ECCPULoadError(RuntimeError):
-    """A load the scheduler promised could be performed neither batched nor synchronously.
-
-    vLLM gathers the entry's embeddings in the same step, so the step cannot
-    go on without it; the message names the entry, the backend and both causes.
-    """
-
-
-@dataclass
-class Transfer:
-    """One submitted batch and what to report when it lands."""
-
-    direction: TransferDirection
-    handle: TransferHandle
-    step: int
-    """The metadata step the batch's copies were asked for in."""
-    keys: list[str] = field(default_factory=list)
-    """mm_hashes of the saves in the batch."""
-    tids: list[int] = field(default_factory=list)
-    """Transfer ids of the loads in the batch."""
-    nbytes: int = 0
-    keepalive: list[torch.Tensor] = field(default_factory=list)
-    """Tensors the copies read or write; held until the batch has landed."""
-
-
-@dataclass
-class _PendingSave:
-    key: str
-    step: int
-    source: torch.Tensor
-    block_ids: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel() * self.source.element_size()
-
-
-@dataclass
-class _Load:
-    key: str
-    tid: int
-    block_ids: list[int]
-    shape: tuple[int, int]
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """Where this worker sits: its global rank, whether it writes saves, and how
-    many ranks (itself included) run this engine's connector copies."""
-
-    rank: int
-    is_save_rank: bool
-    group_size: int = 1
-
-
-def _add(stats: dict[str, float], name: str, value: float) -> None:
-    stats[name] = stats.get(name, 0.0) + value
-
-
-def detect_rank_info() -> RankInfo:
-    """Read the rank from vLLM's initialised process groups.
-
-    Only one rank writes saves (tensor-parallel rank 0 of prefill-context
-    rank 0: every such rank holds the same encoder output); every rank loads.
-    """
-    from vllm.distributed import parallel_state as ps
-
-    try:
-        rank = ps.get_world_group().rank
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        tp_size = ps.get_tensor_model_parallel_world_size()
-        pcp = ps.get_pcp_group() if hasattr(ps, "get_pcp_group") else None
-        pcp_rank = pcp.rank_in_group if pcp is not None else 0
-        pcp_size = pcp.world_size if pcp is not None else 1
-    except (AssertionError, AttributeError, RuntimeError) as exc:
-        logger.warning(
-            "EC CPU tier: vLLM's process groups are not initialised (%s); assuming a "
-            "single rank that saves and loads",
-            exc,
-        )
-        return RankInfo(rank=0, is_save_rank=True)
-    # The connector runs on the first pipeline stage: its tensor x context
-    # parallel ranks each report every step.
-    return RankInfo(
-        rank=int(rank),
-        is_save_rank=tp_rank == 0 and pcp_rank == 0,
-        group_size=int(tp_size) * int(pcp_size),
-    )
-
-
-class ECCPUWorker:
-    """The device-independent worker half; subclass it and fill the hooks.
+class ECCPUWorker(WorkerHooks):
+    """The device-independent worker half; a backend subclasses it and fills the hooks
+    (`ec_core.worker_process.hooks`).
 
     Guarantees:
       * one submission per direction per step; an entry occupying one run of
@@ -186,8 +94,8 @@ class ECCPUWorker:
         self._warnings = RateLimitedWarnings(logger)
         self._step = 0
         self._bound_saves: dict[str, list[int]] = {}
-        self._inflight: list[Transfer] = []
-        self._pending_saves: list[_PendingSave] = []
+        self._inflight = InFlight()
+        self._pending_saves: list[PendingSave] = []
         self._queued: set[str] = set()
         self._failed_saves: list[tuple[int, str]] = []
         self._fallbacks: list[str] = []
@@ -205,44 +113,6 @@ class ECCPUWorker:
             " (saves)" if self.saves_here else "",
             self.region.path,
         )
-
-    # --------------------------------------------------------------- hooks
-
-    def _pin_shared_region(self) -> None:
-        """Make this process's mapping of the region usable for device copies."""
-
-    def _submit_transfer(
-        self,
-        batch: DescriptorBatch,
-        direction: TransferDirection,
-        keepalive: Sequence[torch.Tensor],
-    ) -> TransferHandle:
-        """Enqueue every copy of `batch`; return a handle that tells when they landed.
-
-        `keepalive` are the device tensors the copies read (saves) or write
-        (loads); the caller holds them until the handle reports completion. A
-        hook that raises must first make sure none of its copies can still run
-        (drain what it enqueued) and release whatever it acquired: the caller
-        then copies the same bytes with `_copy_now`.
-        """
-        raise NotImplementedError
-
-    def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 tensor of `nbytes` on this worker's device (one loaded entry)."""
-        raise NotImplementedError
-
-    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy `src` into `dst` (same number of bytes) and return once it is done.
-
-        The fallback when a batch cannot be submitted. One side is a view of
-        the region, the other of a device tensor. `Tensor.copy_` without
-        `non_blocking` runs on the current stream and returns only when the
-        bytes are in place, which is what every backend needs.
-        """
-        dst.copy_(src)
-
-    def _shutdown_transfer_backend(self) -> None:
-        """Release backend resources; called after all copies landed, before the region goes."""
 
     # --------------------------------------------------------------- steps
 
@@ -269,13 +139,22 @@ class ECCPUWorker:
             return
         # Ascending first block keeps the region reads in address order.
         loads = [
-            self._plan_load(key, tid, block_ids, shape)
+            plan_load(
+                key,
+                tid,
+                block_ids,
+                shape,
+                dtype=self.dtype,
+                block_size=self.block_size,
+                num_blocks=self.region.num_blocks,
+                backend=type(self).__name__,
+            )
             for key, (tid, block_ids, shape) in sorted(
                 metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1
             )
         ]
-        staged: list[tuple[_Load, torch.Tensor]] = []
-        unstaged: list[tuple[_Load, torch.Tensor | None, Exception]] = []
+        staged: list[tuple[PlannedLoad, torch.Tensor]] = []
+        unstaged: list[tuple[PlannedLoad, torch.Tensor | None, Exception]] = []
         batch = DescriptorBatch()
         for load in loads:
             try:
@@ -304,21 +183,9 @@ class ECCPUWorker:
         for load, buffer in staged:
             encoder_cache[load.key] = buffer.view(self.dtype).view(load.shape)
 
-    def _plan_load(self, key: str, tid: int, block_ids: list[int], shape: tuple[int, int]) -> _Load:
-        rows, cols = shape
-        nbytes = rows * cols * self.dtype.itemsize
-        if nbytes > len(block_ids) * self.block_size or (
-            block_ids and (min(block_ids) < 0 or max(block_ids) >= self.region.num_blocks)
-        ):
-            raise ECCPULoadError(
-                f"EC CPU tier: the load of {key!r} (transfer {tid}) names {len(block_ids)} "
-                f"blocks for a {rows}x{cols} entry, some outside the region's "
-                f"{self.region.num_blocks} blocks or too few of them; the scheduler and "
-                f"this worker ({type(self).__name__}) disagree about the region"
-            )
-        return _Load(key, tid, block_ids, (rows, cols), nbytes)
-
-    def _load_now(self, load: _Load, buffer: torch.Tensor | None, cause: Exception) -> torch.Tensor:
+    def _load_now(
+        self, load: PlannedLoad, buffer: torch.Tensor | None, cause: Exception
+    ) -> torch.Tensor:
         """Copy one entry from the region synchronously (the fallback); raise if impossible."""
         began = time.perf_counter()
         try:
@@ -357,31 +224,17 @@ class ECCPUWorker:
         if source is None:
             return  # reported as failed at the end of the step
         self._queued.add(mm_hash)
-        problem = self._save_problem(source, metadata.save_shapes.get(mm_hash), block_ids)
+        problem = save_problem(
+            source,
+            metadata.save_shapes.get(mm_hash),
+            block_ids,
+            dtype=self.dtype,
+            block_size=self.block_size,
+        )
         if problem is not None:
             self._fail_save(mm_hash, self._step, problem)
             return
-        self._pending_saves.append(
-            _PendingSave(mm_hash, self._step, source.contiguous(), block_ids)
-        )
-
-    def _save_problem(
-        self, source: torch.Tensor, shape: tuple[int, int] | None, block_ids: list[int]
-    ) -> str | None:
-        """Why `source` must not be written to `block_ids`, or None if it may."""
-        if shape is None:
-            return "the scheduler sent no shape for it"
-        if source.dtype != self.dtype:
-            return f"its dtype is {source.dtype} but the region holds {self.dtype}"
-        if tuple(source.shape) != tuple(shape):
-            return f"its shape is {tuple(source.shape)} but {tuple(shape)} was allocated"
-        nbytes = source.numel() * source.element_size()
-        if nbytes > len(block_ids) * self.block_size:
-            return (
-                f"it holds {nbytes} bytes but {len(block_ids)} blocks of "
-                f"{self.block_size} bytes were allocated"
-            )
-        return None
+        self._pending_saves.append(PendingSave(mm_hash, self._step, source.contiguous(), block_ids))
 
     def _fail_save(self, key: str, step: int, reason: str) -> None:
         self._failed_saves.append((step, key))
@@ -409,7 +262,7 @@ class ECCPUWorker:
             for save in pending:
                 self._save_now(save, cause)
 
-    def _save_now(self, save: _PendingSave, cause: Exception) -> None:
+    def _save_now(self, save: PendingSave, cause: Exception) -> None:
         """Copy one save into the region synchronously (the fallback), or report it failed."""
         began = time.perf_counter()
         try:
@@ -450,7 +303,7 @@ class ECCPUWorker:
                 exc,
             )
             return exc
-        self._inflight.append(
+        self._inflight.add(
             Transfer(
                 direction,
                 handle,
@@ -487,7 +340,7 @@ class ECCPUWorker:
         step: int | None = None,
     ) -> None:
         """Track a copy that already landed, so it is reported like the batched ones."""
-        self._inflight.append(
+        self._inflight.add(
             Transfer(
                 direction,
                 CompletedTransfer(time.perf_counter() - began),
@@ -517,34 +370,14 @@ class ECCPUWorker:
 
     def settled_through(self) -> int:
         """The last step all of whose copies on this rank have landed or failed."""
-        steps = [t.step for t in self._inflight] + [s.step for s in self._pending_saves]
-        return min(steps) - 1 if steps else self._step
+        return self._inflight.settled_through(self._step, (s.step for s in self._pending_saves))
 
     def build_connector_worker_meta(self) -> ECCPUWorkerReport:
         """Report every batch that has landed, failed saves, fallbacks, and this rank's progress."""
         rank = self.rank_info.rank
-        report = ECCPUWorkerReport()
-        still: list[Transfer] = []
-        for transfer in self._inflight:
-            if not transfer.handle.query():
-                still.append(transfer)
-                continue
-            seconds = transfer.handle.elapsed_seconds() or 0.0
-            transfer.handle.release()
-            transfer.keepalive.clear()
-            if transfer.direction is SAVE:
-                report.completed_saves.extend(transfer.keys)
-                report.save_acks.extend((rank, transfer.step, key) for key in transfer.keys)
-                _add(report.stats, "bytes_saved", transfer.nbytes)
-                _add(report.stats, "save_copy_seconds", seconds)
-            else:
-                report.completed_loads.extend(transfer.tids)
-                report.load_acks.extend((rank, tid) for tid in transfer.tids)
-                _add(report.stats, "bytes_loaded", transfer.nbytes)
-                _add(report.stats, "load_copy_seconds", seconds)
-        self._inflight = still
+        report = ECCPUWorkerReport(group_size=self.rank_info.group_size)
+        self._inflight.harvest(rank, report)
         report.progress.append((rank, self._step, self.settled_through()))
-        report.group_size = self.rank_info.group_size
         report.failed_saves.extend((rank, step, key) for step, key in self._failed_saves)
         report.fallbacks.extend((rank, kind) for kind in self._fallbacks)
         self._failed_saves = []
@@ -563,13 +396,7 @@ class ECCPUWorker:
             return
         self._closed = True
         try:
-            for transfer in self._inflight:
-                try:
-                    transfer.handle.synchronize()
-                    transfer.handle.release()
-                except Exception:
-                    logger.exception("EC CPU tier: waiting for a transfer at shutdown failed")
-            self._inflight.clear()
+            self._inflight.drain()
             self._pending_saves.clear()
             try:
                 self._shutdown_transfer_backend()

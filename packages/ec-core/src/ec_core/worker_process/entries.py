@@ -1,0 +1,98 @@
+"""One save or load as a worker sees it, and when it may be copied at all.
+
+Runs in worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ECCPULoadError(RuntimeError):
+    """A load the scheduler promised could be performed neither batched nor synchronously.
+
+    vLLM gathers the entry's embeddings in the same step, so the step cannot
+    go on without it; the message names the entry, the backend and both causes.
+    """
+
+
+@dataclass
+class PendingSave:
+    """A save queued for this step's batch."""
+
+    key: str
+    step: int
+    source: torch.Tensor
+    block_ids: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+@dataclass
+class PlannedLoad:
+    """A load of this step: its entry, blocks, shape and size in bytes."""
+
+    key: str
+    tid: int
+    block_ids: list[int]
+    shape: tuple[int, int]
+    nbytes: int
+
+
+def plan_load(
+    key: str,
+    tid: int,
+    block_ids: list[int],
+    shape: tuple[int, int],
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+    num_blocks: int,
+    backend: str,
+) -> PlannedLoad:
+    """The load, or ECCPULoadError if its blocks lie outside the region or are too few
+    (nothing may be copied then: the copy would leave the mapping)."""
+    rows, cols = shape
+    nbytes = rows * cols * dtype.itemsize
+    if nbytes > len(block_ids) * block_size or (
+        block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks)
+    ):
+        raise ECCPULoadError(
+            f"EC CPU tier: the load of {key!r} (transfer {tid}) names {len(block_ids)} "
+            f"blocks for a {rows}x{cols} entry, some outside the region's {num_blocks} "
+            f"blocks or too few of them; the scheduler and this worker ({backend}) "
+            "disagree about the region"
+        )
+    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes)
+
+
+def save_problem(
+    source: torch.Tensor,
+    shape: tuple[int, int] | None,
+    block_ids: list[int],
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+) -> str | None:
+    """Why `source` must not be written to `block_ids`, or None if it may.
+
+    Only a tensor of exactly the `(rows, cols)` the scheduler allocated and of
+    the region's dtype is saved: it is what a load will rebuild.
+    """
+    if shape is None:
+        return "the scheduler sent no shape for it"
+    if source.dtype != dtype:
+        return f"its dtype is {source.dtype} but the region holds {dtype}"
+    if tuple(source.shape) != tuple(shape):
+        return f"its shape is {tuple(source.shape)} but {tuple(shape)} was allocated"
+    nbytes = source.numel() * source.element_size()
+    if nbytes > len(block_ids) * block_size:
+        return (
+            f"it holds {nbytes} bytes but {len(block_ids)} blocks of {block_size} bytes "
+            "were allocated"
+        )
+    return None

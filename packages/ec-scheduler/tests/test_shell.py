@@ -1,0 +1,209 @@
+"""ECCPUTierConnector: one name on every device, the backend chosen by vLLM's platform."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+from ec_scheduler.shell import backends
+from ec_scheduler.shell.backends import Backend, BackendError
+from ec_scheduler.shell.connector import ECCPUTierConnector
+from ectools.configs import make_vllm_config
+
+TOOLS = str(Path(__file__).resolve().parents[3] / "tools")
+CPU = Backend("cpu", "ec_worker_cpu.worker:CpuECCPUWorker", "ec-worker-cpu", "CpuECCPUConnector")
+CUDA = Backend(
+    "cuda", "ec_worker_cuda.worker:CudaECCPUWorker", "ec-worker-cuda", "CudaECCPUConnector"
+)
+
+
+@pytest.fixture
+def config_for(tiny_model_dir: str, tmp_path: Path) -> Any:
+    def make(connector: str = "ECCPUTierConnector") -> Any:
+        return make_vllm_config(
+            tiny_model_dir,
+            connector=connector,
+            extra={"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)},
+            widths={"image": 128},
+        )
+
+    return make
+
+
+def _pretend(monkeypatch: pytest.MonkeyPatch, device: str, *installed: Backend) -> None:
+    """This host's vLLM platform is `device`, and only `installed` backends are there."""
+    monkeypatch.setattr(backends, "current_device_type", lambda: device)
+    monkeypatch.setattr(
+        backends, "installed_backends", lambda: {b.device_type: b for b in installed}
+    )
+
+
+def test_every_project_backend_is_installed_and_found_by_its_device_type() -> None:
+    found = backends.installed_backends()
+    assert set(found) == {"cpu", "cuda", "npu"}
+    assert {b.distribution for b in found.values()} == set(backends.KNOWN_DISTRIBUTIONS.values())
+    assert backends.backend_for("cpu").worker == "ec_worker_cpu.worker:CpuECCPUWorker"
+
+
+def test_the_platform_picks_the_worker_and_the_scheduler_never_imports_it(
+    monkeypatch: pytest.MonkeyPatch, config_for: Any
+) -> None:
+    _pretend(monkeypatch, "cuda", CPU, CUDA)
+    connector = ECCPUTierConnector(config_for(), ECConnectorRole.SCHEDULER)
+    try:
+        assert connector.worker_path == CUDA.worker
+    finally:
+        connector.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("device", "installed", "needle"),
+    [
+        ("cuda", (CPU,), "install ec-worker-cuda (pip install ec-worker-cuda)"),
+        ("npu", (CPU, CUDA), "install ec-worker-ascend"),
+        ("cpu", (), "install ec-worker-cpu"),
+        ("xpu", (CPU,), "this project has no backend for it yet"),
+    ],
+)
+def test_a_missing_backend_fails_at_start_up_naming_the_package(
+    monkeypatch: pytest.MonkeyPatch,
+    config_for: Any,
+    device: str,
+    installed: tuple[Backend, ...],
+    needle: str,
+) -> None:
+    _pretend(monkeypatch, device, *installed)
+    for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+        with pytest.raises(BackendError) as info:
+            ECCPUTierConnector(config_for(), role)
+        message = str(info.value)
+        assert needle in message and repr(device) in message
+        assert ("ec-worker-cpu (cpu)" in message) == (CPU in installed)
+
+
+def test_two_backends_for_one_device_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Entry:
+        def __init__(self, name: str, backend: Backend) -> None:
+            self.name, self.value, self._backend = name, f"{name}:BACKEND", backend
+
+        def load(self) -> Backend:
+            return self._backend
+
+    other = Backend("cpu", "other.worker:OtherWorker", "other-cpu-backend")
+    entries = [Entry("cpu", CPU), Entry("cpu2", other)]
+    monkeypatch.setattr(backends.importlib.metadata, "entry_points", lambda group: entries)
+    with pytest.raises(BackendError, match="ec-worker-cpu and other-cpu-backend"):
+        backends.installed_backends()
+
+
+def test_a_broken_announcement_is_skipped_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, ec_log: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        name, value = "gpu", "missing_package:BACKEND"
+
+        def load(self) -> Backend:
+            raise ImportError("No module named 'missing_package'")
+
+    class NotABackend:
+        name, value = "odd", "json:dumps"
+
+        def load(self) -> object:
+            return object()
+
+    class Good:
+        name, value = "cpu", "ec_worker_cpu:BACKEND"
+
+        def load(self) -> Backend:
+            return CPU
+
+    found = [Broken(), NotABackend(), Good()]
+    monkeypatch.setattr(backends.importlib.metadata, "entry_points", lambda group: found)
+    assert backends.installed_backends() == {"cpu": CPU}
+    warnings = [r.getMessage() for r in ec_log.records if r.levelno == logging.WARNING]
+    assert any("missing_package" in w for w in warnings)
+    assert any("is not a Backend" in w for w in warnings)
+
+
+def test_an_alias_on_another_device_warns_and_uses_the_platform(
+    monkeypatch: pytest.MonkeyPatch, config_for: Any, ec_log: pytest.LogCaptureFixture
+) -> None:
+    _pretend(monkeypatch, "cpu", CPU, CUDA)
+    connector = ECCPUTierConnector(config_for("CudaECCPUConnector"), ECConnectorRole.SCHEDULER)
+    try:
+        assert connector.worker_path == CPU.worker
+    finally:
+        connector.shutdown()
+    assert any(
+        "CudaECCPUConnector names the cuda backend" in r.getMessage()
+        and "ECCPUTierConnector works on every device" in r.getMessage()
+        for r in ec_log.records
+    )
+
+
+def test_a_worker_class_that_is_not_an_eccpu_worker_is_refused(
+    monkeypatch: pytest.MonkeyPatch, config_for: Any
+) -> None:
+    class NotAWorker(ECCPUTierConnector):
+        worker_class = "json:JSONDecoder"
+
+    with pytest.raises(TypeError, match="json:JSONDecoder is not an ECCPUWorker"):
+        NotAWorker(config_for(), ECConnectorRole.WORKER)
+
+
+def _run(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": TOOLS}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_discovery_and_the_plugin_module_stay_light() -> None:
+    """vLLM's plugin loader imports these in every process, the API server included."""
+    code = """
+        import sys
+        import ec_scheduler.shell.plugin
+        from ec_scheduler.shell.backends import installed_backends
+        found = sorted(installed_backends())
+        heavy = [m for m in ("torch", "vllm", "ec_core.worker_process.worker") if m in sys.modules]
+        print(found, heavy)
+    """
+    assert _run(code) == "['cpu', 'cuda', 'npu'] []"
+
+
+def test_scheduler_role_by_name_alone_never_imports_a_worker_module(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    code = f"""
+        import sys
+        from vllm.plugins import load_general_plugins
+        from ectools.configs import make_vllm_config
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+        load_general_plugins()
+        config = make_vllm_config(
+            {tiny_model_dir!r},
+            connector="ECCPUTierConnector",
+            extra={{"ec_cpu_bytes": "1MiB", "ec_cpu_dir": {str(tmp_path)!r}}},
+        )
+        connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        loaded = [
+            m for m in sys.modules
+            if (m.startswith("ec_worker_") and "." in m) or m.startswith("ec_core.worker_process")
+        ]
+        print(type(connector).__name__, connector.worker_path, loaded)
+    """
+    assert _run(code) == "ECCPUTierConnector ec_worker_cpu.worker:CpuECCPUWorker []"
