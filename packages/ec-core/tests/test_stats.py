@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ec_core.frontend_process.prometheus import ECCPUPromMetrics
-from ec_core.stats import COUNTERS, GAUGES, ECCPUConnectorStats, parse_rank_copy_key, rank_copy_key
+from ec_core.stats import COUNTERS, GAUGES, ECCPUConnectorStats, labelled_key, parse_labelled_key
 
 
 def test_stats_aggregate_sums_counters_and_keeps_newest_gauges() -> None:
@@ -34,9 +34,12 @@ def test_per_rank_copy_counts_are_counters_and_reach_the_log_line() -> None:
     assert not first.is_empty()
     assert first.reduce()["rank_copies:load_fallback:1"] == 3
     assert ECCPUConnectorStats(data={"rank_copies:load:0": 0}).is_empty()
-    assert parse_rank_copy_key(rank_copy_key("save_fallback", 4)) == ("save_fallback", "4")
-    assert parse_rank_copy_key("rank_copies:bogus:1") is None
-    assert parse_rank_copy_key("hits") is None
+    key = labelled_key("rank_copies", "save_fallback", 4)
+    assert parse_labelled_key(key) == ("rank_copies", ("save_fallback", "4"))
+    assert parse_labelled_key("rank_copies:bogus:1") is None
+    assert parse_labelled_key("remote_fallbacks:timeout") == ("remote_fallbacks", ("timeout",))
+    assert parse_labelled_key("remote_fallbacks:") is None
+    assert parse_labelled_key("hits") is None
 
 
 def test_gauges_alone_are_empty() -> None:
@@ -82,3 +85,6 @@ def test_prometheus_families_per_engine(registry: CollectorRegistry) -> None:
     assert value("vllm:ec_cpu_rank_copies_total", per_rank) == 3
     assert value("vllm:ec_cpu_rank_copies_total", {**per_rank, "rank": "0", "op": "load"}) == 4
     assert value("vllm:ec_cpu_load_fallbacks_total", {"model_name": "m", "engine": "0"}) == 2
+    prom.observe({"remote_fallbacks:timeout": 3}, engine_idx=1)
+    cause = {"model_name": "m", "engine": "1", "cause": "timeout"}
+    assert value("vllm:ec_cpu_remote_fallbacks_total", cause) == 3

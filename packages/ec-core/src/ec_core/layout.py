@@ -66,7 +66,9 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
     embed_width = int(model_config.get_inputs_embeds_size())
     block_size_bytes = embed_width * dtype.itemsize
     settings = ECCPUSettings.from_extra_config(
-        ec_config.ec_connector_extra_config, block_size_bytes=block_size_bytes
+        ec_config.ec_connector_extra_config,
+        block_size_bytes=block_size_bytes,
+        role=str(ec_config.ec_role) if ec_config.ec_role is not None else None,
     )
     dp_index = vllm_config.parallel_config.data_parallel_index
     return RegionLayout(

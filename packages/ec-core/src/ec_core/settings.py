@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ec_core import peer_settings
 from ec_core._vllm import get_logger
+from ec_core.peer_settings import PeerSettings, parse_peer_settings
 from ec_core.scheduler_process.policy import DEFAULT_POLICY, POLICIES
 from ec_core.sizes import SizeError, parse_byte_size
 
@@ -45,6 +47,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         KEY_REPORT_TIMEOUT_STEPS,
         KEY_REPORT_TIMEOUT_S,
         KEY_POLICY,
+        *peer_settings.KEYS,
     }
 )
 
@@ -60,13 +63,15 @@ class ECCPUSettings:
     Guarantees: `cpu_bytes` is a whole number of bytes holding at least one
     block; `region_dir` is an absolute path to an existing, writable
     directory; `open_timeout_s` is finite and positive; the report timeouts
-    are finite, non-negative and not both zero; `policy` names a known policy.
+    are finite, non-negative and not both zero; `policy` names a known policy;
+    `peers` is None unless a cross-engine key is set (`ec_core.peer_settings`).
 
-    A save or load whose report has not arrived is reclaimed once it is older
+    A save or load whose report has not arrived is overdue once it is older
     than `report_timeout_steps` engine steps that reached the workers AND
-    older than `report_timeout_s` seconds (0 switches a dimension off). Both
+    older than `report_timeout_s` seconds (0 switches a dimension off); the
+    same bound declares a silent rank gone (see ec_scheduler.flights). Both
     must pass, so a long idle period alone (no steps) or a burst of fast
-    steps alone (little time) never reclaims a copy that is merely late.
+    steps alone (little time) never counts against a copy that is merely late.
     """
 
     cpu_bytes: int
@@ -75,15 +80,21 @@ class ECCPUSettings:
     report_timeout_steps: int = DEFAULT_REPORT_TIMEOUT_STEPS
     report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
     policy: str = DEFAULT_POLICY
+    peers: PeerSettings | None = None
 
     @classmethod
     def from_extra_config(
-        cls, extra: Mapping[str, object] | None, *, block_size_bytes: int
+        cls,
+        extra: Mapping[str, object] | None,
+        *,
+        block_size_bytes: int,
+        role: str | None = None,
     ) -> ECCPUSettings:
         """Parse and validate `extra`; raise ValueError naming key and value.
 
         `block_size_bytes` is the size of one region block (one embedding
-        row); a region smaller than one block is refused here.
+        row); a region smaller than one block is refused here. `role` (the
+        `ec_role`) lets the cross-engine keys be checked against it.
         """
         if block_size_bytes <= 0:
             raise ValueError(f"block size must be positive, got {block_size_bytes}")
@@ -129,6 +140,7 @@ class ECCPUSettings:
                 "every copy would be reclaimed before its report could arrive",
             )
         policy = _parse_choice(KEY_POLICY, extra.get(KEY_POLICY, DEFAULT_POLICY), POLICY_NAMES)
+        peers = parse_peer_settings(extra, role)
         return cls(
             cpu_bytes=cpu_bytes,
             region_dir=region_dir,
@@ -136,6 +148,7 @@ class ECCPUSettings:
             report_timeout_steps=timeout_steps,
             report_timeout_s=timeout_s,
             policy=policy,
+            peers=peers,
         )
 
 

@@ -47,6 +47,16 @@ COUNTERS: dict[str, str] = {
     "until they settle)",
     "reports_lost": "Copies that settled without their own report (the ranks moved past them)",
     "stale_dropped": "Entries dropped because their shape no longer matched the request",
+    "remote_lookups": "Items this engine asked other engines for (its region missed them)",
+    "remote_hits": "Items fetched from another engine into this engine's region",
+    "bytes_fetched": "Bytes of encoder output fetched from other engines",
+    "fetch_seconds": "Time fetches from other engines took",
+    "peer_lookups_served": "Items this engine leased to other engines",
+    "peer_lookups_not_ready": "Items other engines asked for while this engine was still "
+    "saving them",
+    "peer_bytes_served": "Bytes of encoder output other engines read from this engine",
+    "peer_requests_denied": "Peer messages dropped: not signed with the shared secret, stale "
+    "or malformed",
 }
 
 GAUGES: dict[str, str] = {
@@ -59,31 +69,44 @@ GAUGES: dict[str, str] = {
 WORKER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_copy_seconds", "load_copy_seconds")
 """The counters workers report (in ECCPUWorkerReport.stats)."""
 
-RANK_COPIES = "rank_copies"
 RANK_COPY_OPS = ("save", "load", "save_fallback", "load_fallback")
-RANK_COPIES_HELP = (
-    "Copies each rank performed, by op: save, load, and the saves and loads it had to "
-    "copy synchronously because their batched copy failed (save_fallback, load_fallback)"
-)
+
+LABELLED: dict[str, tuple[tuple[str, ...], str]] = {
+    "rank_copies": (
+        ("op", "rank"),
+        "Copies each rank performed, by op: save, load, and the saves and loads it had to "
+        "copy synchronously because their batched copy failed (save_fallback, load_fallback)",
+    ),
+    "remote_fallbacks": (
+        ("cause",),
+        "Items not fetched from another engine (so encoded here), by cause",
+    ),
+}
+"""Counter families with labels of their own: name -> (label names, help)."""
 
 
-def rank_copy_key(op: str, rank: int) -> str:
-    """The stats key of one rank's count of one op, e.g. `rank_copies:load_fallback:1`."""
-    return f"{RANK_COPIES}:{op}:{rank}"
+def labelled_key(family: str, *values: object) -> str:
+    """The stats key of one child of a labelled family, e.g. `rank_copies:load_fallback:1`."""
+    return ":".join((family, *(str(v) for v in values)))
 
 
-def parse_rank_copy_key(name: str) -> tuple[str, str] | None:
-    """`(op, rank)` of a `rank_copy_key`, or None for any other name."""
-    prefix, _, rest = name.partition(":")
-    op, _, rank = rest.partition(":")
-    if prefix != RANK_COPIES or op not in RANK_COPY_OPS or not rank.isdigit():
+def parse_labelled_key(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """`(family, label values)` of a `labelled_key`, or None for any other name."""
+    family, _, rest = name.partition(":")
+    spec = LABELLED.get(family)
+    if spec is None or not rest:
         return None
-    return op, rank
+    values = tuple(rest.split(":"))
+    if len(values) != len(spec[0]) or not all(values):
+        return None
+    if family == "rank_copies" and (values[0] not in RANK_COPY_OPS or not values[1].isdigit()):
+        return None
+    return family, values
 
 
 def is_counter(name: str) -> bool:
     """Whether `name` is summed over intervals (a counter) rather than replaced (a gauge)."""
-    return name in COUNTERS or parse_rank_copy_key(name) is not None
+    return name in COUNTERS or parse_labelled_key(name) is not None
 
 
 @dataclass
@@ -110,7 +133,7 @@ class ECCPUConnectorStats(ECConnectorStats):
             name: self.data[name] for name in (*COUNTERS, *GAUGES) if name in self.data
         }
         for name in sorted(self.data):
-            if parse_rank_copy_key(name) is not None:
+            if parse_labelled_key(name) is not None:
                 figures[name] = self.data[name]
         lookups = self.data.get("lookups", 0)
         if lookups:
@@ -124,10 +147,11 @@ class ECCPUConnectorStats(ECConnectorStats):
 __all__ = [
     "COUNTERS",
     "GAUGES",
+    "LABELLED",
     "RANK_COPY_OPS",
     "WORKER_COUNTERS",
     "ECCPUConnectorStats",
     "is_counter",
-    "parse_rank_copy_key",
-    "rank_copy_key",
+    "labelled_key",
+    "parse_labelled_key",
 ]

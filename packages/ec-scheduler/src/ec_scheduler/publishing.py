@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.stats import ECCPUConnectorStats, is_counter, rank_copy_key
+from ec_core.stats import ECCPUConnectorStats, is_counter, labelled_key
 from ec_scheduler.counters import SchedulerCounters
 
 
@@ -46,7 +46,7 @@ def stat_totals(
         ("load_fallback", c.load_fallbacks_by_rank),
     ):
         for rank, count in per_rank.items():
-            totals[rank_copy_key(op, rank)] = count
+            totals[labelled_key("rank_copies", op, rank)] = count
     totals["region_blocks"] = allocator.num_blocks
     totals["region_used_blocks"] = allocator.num_blocks - allocator.num_free_blocks
     totals["region_entries"] = len(allocator)

@@ -11,8 +11,11 @@ here, and what the workers' reports do is in `ec_scheduler.settlement`.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, region_layout
@@ -25,6 +28,7 @@ from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, ReportBound
 from ec_scheduler.publishing import StatsPublisher, stat_totals
+from ec_scheduler.remote import LocalEntries, RemoteSource, Wanted, load_remote_source
 from ec_scheduler.settlement import Settlement
 
 if TYPE_CHECKING:
@@ -35,6 +39,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[ECCPUScheduler, _P], _R],
+) -> Callable[Concatenate[ECCPUScheduler, _P], _R]:
+    """Run a method under the scheduler's lock (a remote source's threads share the state)."""
+
+    def wrapper(self: ECCPUScheduler, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, method)
+    return wrapper
 
 
 class ECCPUScheduler:
@@ -50,7 +70,9 @@ class ECCPUScheduler:
       * nothing waits forever: a copy unreported past the configured bound is
         counted and warned about and no longer keeps the engine stepping;
       * per-step work is proportional to the step's items and landed copies,
-        never to the region's blocks or the number of cached entries.
+        never to the region's blocks or the number of cached entries;
+      * every public method runs under `lock`, which a remote source's threads
+        take too (through `LocalEntries`).
     """
 
     def __init__(self, vllm_config: VllmConfig, layout: RegionLayout | None = None) -> None:
@@ -94,12 +116,23 @@ class ECCPUScheduler:
         self._shut_down = False
         self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
         self._publisher = StatsPublisher()
+        self.lock = threading.RLock()
+        self.remote: RemoteSource | None = None
+        if settings.peers is not None:
+            local = LocalEntries(
+                self.allocator,
+                self.lock,
+                self._release_pin,
+                self._stale.__contains__,
+                lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
+            )
+            self.remote = load_remote_source(vllm_config, self.layout, local)
 
-        if self.is_consumer and not self.is_producer:
+        if self.is_consumer and not self.is_producer and settings.peers is None:
             logger.warning(
                 "EC CPU tier role ec_consumer: this engine never saves, and its region "
                 "belongs to this engine alone, so nothing will ever be loaded. Use "
-                "ec_both for a local CPU tier."
+                "ec_both for a local CPU tier, or ec_peers to fetch from producers."
             )
         logger.debug(
             "EC CPU tier scheduler: role=%s, %d blocks x %d bytes (%s), policy=%s, "
@@ -115,6 +148,7 @@ class ECCPUScheduler:
 
     # ------------------------------------------------------------ lookups
 
+    @_locked
     def has_cache_item(self, identifier: str) -> bool:
         """True iff a ready entry exists on a consumer.
 
@@ -139,27 +173,39 @@ class ECCPUScheduler:
         self.counters.hits += 1
         return True
 
+    @_locked
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Never defers a request; drops entries that no longer fit their item.
+        """False while the request should wait for entries other engines are sending.
 
-        vLLM calls this for a request before looking up its items, so an entry
+        vLLM calls this for a request before looking up its items. An entry
         whose stored row count differs from the item's embedding count (a
-        client UUID reused for other content) is removed here, and the item is
-        a miss instead of a silently wrong load.
+        client UUID reused for other content) is removed here, so the item is
+        a miss instead of a silently wrong load. With a remote source, the
+        items this engine does not hold are offered to it; without one, this
+        never defers.
         """
         if not self.is_consumer:
             return True
+        missing: list[Wanted] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            entry = self.allocator.get(feature.identifier)
-            if entry is None or not entry.ready or entry.shape is None:
-                continue
             rows = position.get_num_embeds()
-            if entry.shape[0] != rows:
+            entry = self.allocator.get(feature.identifier)
+            if entry is not None and entry.ready and entry.shape is not None:
+                if entry.shape[0] == rows:
+                    continue
                 self._retire_stale(entry, rows, request.request_id)
-        return True
+            elif entry is not None:
+                continue  # its save or fetch is under way
+            if rows > 0:
+                missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
+        if self.remote is None:
+            return True
+        # Asked even with nothing missing: items being fetched for this request are
+        # reserved here (not ready), and the request waits until they land.
+        return not self.remote.wants(request, missing)
 
     def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
         logger.warning(
@@ -180,6 +226,7 @@ class ECCPUScheduler:
 
     # --------------------------------------------------------- allocation
 
+    @_locked
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Turn a promised item into a load, or give a computed item a save.
 
@@ -271,6 +318,7 @@ class ECCPUScheduler:
 
     # ---------------------------------------------------------- step edge
 
+    @_locked
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
         """Hand this step's saves and loads to the workers and reset them.
 
@@ -309,6 +357,7 @@ class ECCPUScheduler:
 
     # ------------------------------------------------------------ reports
 
+    @_locked
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """Apply the workers' reports (see `Settlement`); anything else is ignored."""
         report = connector_output.ec_connector_worker_meta
@@ -334,10 +383,15 @@ class ECCPUScheduler:
 
     # ------------------------------------------------------- misc. hooks
 
+    @_locked
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Nothing is sent asynchronously per request: never delay freeing."""
-        return False, None
+        """Never delays freeing; with a remote source, handles to this engine's entries
+        of the request (vLLM returns them as the output's `ec_transfer_params`)."""
+        if self.remote is None or self._shut_down:
+            return False, None
+        return False, self.remote.request_finished(request)
 
+    @_locked
     def has_pending_push_work(self) -> bool:
         """True while a copy awaits its report and empty steps can collect it.
 
@@ -348,10 +402,15 @@ class ECCPUScheduler:
         """
         return self._empty_steps_reach_workers and self.settlement.awaiting_reports
 
+    @_locked
     def stat_totals(self) -> dict[str, float]:
         """Cumulative counters (stats names) and current gauges of this engine."""
-        return stat_totals(self.counters, self.allocator, self._worker_totals)
+        totals = stat_totals(self.counters, self.allocator, self._worker_totals)
+        if self.remote is not None:
+            totals.update(self.remote.stat_totals())
+        return totals
 
+    @_locked
     def get_ec_connector_stats(self) -> ECCPUConnectorStats | None:
         """What changed since the previous call (counter deltas) and the gauges.
 
@@ -363,11 +422,14 @@ class ECCPUScheduler:
         self.counters.evictions += 1
         self.counters.evicted_blocks += entry.num_blocks
 
+    @_locked
     def shutdown(self) -> None:
         """Forget all state and stop answering hits. Idempotent."""
         if self._shut_down:
             return
         self._shut_down = True
+        if self.remote is not None:
+            self.remote.shutdown()  # stops its threads before the state goes
         self.is_producer = self.is_consumer = False
         self._pending_saves = {}
         self._pending_shapes = {}

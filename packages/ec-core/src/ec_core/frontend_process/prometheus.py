@@ -16,14 +16,7 @@ from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
 
-from ec_core.stats import (
-    COUNTERS,
-    GAUGES,
-    PREFIX,
-    RANK_COPIES,
-    RANK_COPIES_HELP,
-    parse_rank_copy_key,
-)
+from ec_core.stats import COUNTERS, GAUGES, LABELLED, PREFIX, parse_labelled_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,9 +26,9 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
     """One Prometheus family per counter and gauge, one child per engine.
 
     Counters are named `vllm:ec_cpu_<name>` (exposed with `_total`), gauges
-    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels. The per-rank family
-    `vllm:ec_cpu_rank_copies` carries `rank` and `op` labels as well; its
-    children appear as ranks report.
+    `vllm:ec_cpu_<name>`; both carry vLLM's engine labels. The families of
+    `LABELLED` carry their own labels as well (`rank_copies`: op, rank;
+    `remote_fallbacks`: cause); their children appear as values are reported.
     """
 
     def __init__(
@@ -62,11 +55,12 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             self._gauges[name] = self._per_engine(family)
-        self._rank_copies: Any = self._counter_cls(
-            name=PREFIX + RANK_COPIES,
-            documentation=RANK_COPIES_HELP,
-            labelnames=[*labelnames, "rank", "op"],
-        )
+        self._labelled: dict[str, Any] = {
+            family: self._counter_cls(
+                name=PREFIX + family, documentation=help_text, labelnames=[*labelnames, *names]
+            )
+            for family, (names, help_text) in LABELLED.items()
+        }
 
     def _per_engine(self, family: Any) -> dict[int, Any]:
         return {
@@ -79,7 +73,7 @@ class ECCPUPromMetrics(ECConnectorPromMetrics):
                 self._counters[name][engine_idx].inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
-            elif value > 0 and (parsed := parse_rank_copy_key(name)) is not None:
-                op, rank = parsed
+            elif value > 0 and (parsed := parse_labelled_key(name)) is not None:
+                family, values = parsed
                 engine = self.per_engine_labelvalues[engine_idx]
-                self._rank_copies.labels(*engine, rank, op).inc(value)
+                self._labelled[family].labels(*engine, *values).inc(value)

@@ -144,14 +144,17 @@ class BlockAllocator:
         """Tell the policy someone asked for `key` (feeds its popularity history)."""
         self.policy.on_request(key)
 
-    def alloc(self, key: str, n: int, shape: tuple[int, int] | None = None) -> Entry | None:
+    def alloc(
+        self, key: str, n: int, shape: tuple[int, int] | None = None, *, force: bool = False
+    ) -> Entry | None:
         """Allocate `n` blocks for a new, not-ready entry, evicting as needed.
 
         Returns None, having evicted nothing, when `n` exceeds the free plus
         evictable blocks (an entry larger than the whole pool included;
         `last_refusal == "full"`) or when the policy does not admit the item
-        (`"admission"`). Zero-block entries are legal. A key already present
-        is a caller bug.
+        (`"admission"`; `force` skips the policy's admission rule, for an item
+        being fetched for a request right now). Zero-block entries are legal.
+        A key already present is a caller bug.
         """
         if key in self._entries:
             raise AllocatorError(f"entry {key!r} already exists")
@@ -161,7 +164,7 @@ class BlockAllocator:
         if not self.can_fit(n):
             self.last_refusal = "full"
             return None
-        if not self.policy.admit(key, n):
+        if not force and not self.policy.admit(key, n):
             self.last_refusal = "admission"
             return None
         runs: tuple[Run, ...] = ()

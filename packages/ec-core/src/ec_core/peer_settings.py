@@ -1,0 +1,159 @@
+"""The cross-engine keys of `ec_connector_extra_config`, validated.
+
+Read by every process with the other settings (`ec_core.settings`), so a bad
+value stops the engine before any file or socket exists. Nothing here knows
+how entries travel between engines; `ec-transfer-nixl` does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+KEY_LISTEN = "ec_peer_listen"
+KEY_PEERS = "ec_peers"
+KEY_SECRET = "ec_peer_secret"
+KEY_LOOKUP_TIMEOUT = "ec_peer_lookup_timeout_s"
+KEY_FETCH_TIMEOUT = "ec_peer_fetch_timeout_s"
+KEY_LEASE = "ec_peer_lease_s"
+SECRET_ENV = "EC_CPU_TIER_PEER_SECRET"
+"""Environment variable read when `ec_peer_secret` is not in the config."""
+
+KEYS = frozenset(
+    {KEY_LISTEN, KEY_PEERS, KEY_SECRET, KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE}
+)
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+DEFAULT_FETCH_TIMEOUT_S = 10.0
+DEFAULT_LEASE_S = 30.0
+MIN_SECRET_CHARS = 8
+
+PRODUCER_ROLES = frozenset({"ec_producer", "ec_both"})
+CONSUMER_ROLES = frozenset({"ec_consumer", "ec_both"})
+
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+def _invalid(key: str, value: object, reason: str) -> ValueError:
+    shown = "<hidden>" if key == KEY_SECRET else repr(value)
+    return ValueError(f"ec_connector_extra_config[{key!r}] = {shown} is invalid: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """A `HOST:PORT` a producer listens on or a consumer asks."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, key: str, raw: object) -> PeerAddress:
+        if not isinstance(raw, str):
+            raise _invalid(key, raw, "expected 'HOST:PORT'")
+        match = _ADDRESS.match(raw.strip())
+        if match is None:
+            raise _invalid(key, raw, "expected 'HOST:PORT', e.g. '10.0.0.5:5710'")
+        port = int(match.group("port"))
+        if not 1 <= port <= 65535:
+            raise _invalid(key, raw, "the port must be between 1 and 65535")
+        return cls(match.group("host").strip("[]"), port)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """How this engine serves its entries to other engines and fetches theirs.
+
+    Guarantees: `listen` is set only for a producer role and `peers` only for a
+    consumer role; a secret of at least MIN_SECRET_CHARS characters is present
+    (peers that do not share it get nothing); the timeouts are finite and
+    positive, and a producer's lease outlasts a consumer's fetch deadline, so
+    an entry is never released while a fetch within its deadline may still
+    read it.
+    """
+
+    listen: PeerAddress | None
+    peers: tuple[PeerAddress, ...]
+    secret: str = field(repr=False)
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    lease_s: float = DEFAULT_LEASE_S
+
+
+def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSettings | None:
+    """The cross-engine settings, or None when no peer key is set (the layer is off).
+
+    Raises ValueError naming the key (never showing a secret) for anything
+    malformed, for a listen address on a consumer-only engine, for peers on a
+    producer-only engine, and for peer keys without a secret.
+    """
+    secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV))
+    if KEY_LISTEN not in extra and KEY_PEERS not in extra and secret_raw is None:
+        for key in (KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE):
+            if key in extra:
+                raise _invalid(key, extra[key], f"set {KEY_LISTEN} or {KEY_PEERS} to use it")
+        return None
+    listen = None
+    if KEY_LISTEN in extra:
+        listen = PeerAddress.parse(KEY_LISTEN, extra[KEY_LISTEN])
+        if role is not None and role not in PRODUCER_ROLES:
+            raise _invalid(
+                KEY_LISTEN,
+                extra[KEY_LISTEN],
+                f"only ec_producer or ec_both serve; this engine is {role}",
+            )
+    peers: tuple[PeerAddress, ...] = ()
+    if KEY_PEERS in extra:
+        raw = extra[KEY_PEERS]
+        if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
+            raise _invalid(KEY_PEERS, raw, "expected a list of 'HOST:PORT'")
+        peers = tuple(PeerAddress.parse(KEY_PEERS, item) for item in raw)
+        if len(set(peers)) != len(peers):
+            raise _invalid(KEY_PEERS, raw, "a peer is listed twice")
+        if listen is not None and listen in peers:
+            raise _invalid(KEY_PEERS, raw, f"lists this engine's own {KEY_LISTEN}")
+        if role is not None and role not in CONSUMER_ROLES:
+            raise _invalid(
+                KEY_PEERS, raw, f"only ec_consumer or ec_both fetch; this engine is {role}"
+            )
+    if not isinstance(secret_raw, str) or len(secret_raw) < MIN_SECRET_CHARS:
+        raise _invalid(
+            KEY_SECRET,
+            secret_raw,
+            f"a shared secret of at least {MIN_SECRET_CHARS} characters is required with "
+            f"{KEY_LISTEN} or {KEY_PEERS} (in the config or in ${SECRET_ENV})",
+        )
+    lookup = _seconds(extra, KEY_LOOKUP_TIMEOUT, DEFAULT_LOOKUP_TIMEOUT_S)
+    fetch = _seconds(extra, KEY_FETCH_TIMEOUT, DEFAULT_FETCH_TIMEOUT_S)
+    lease = _seconds(extra, KEY_LEASE, DEFAULT_LEASE_S)
+    if lease <= fetch:
+        raise _invalid(
+            KEY_LEASE,
+            extra.get(KEY_LEASE, lease),
+            f"must exceed {KEY_FETCH_TIMEOUT} ({fetch:g} s): a producer would release "
+            "entries a fetch may still be reading",
+        )
+    if lookup > fetch:
+        raise _invalid(
+            KEY_LOOKUP_TIMEOUT,
+            extra.get(KEY_LOOKUP_TIMEOUT, lookup),
+            f"must not exceed {KEY_FETCH_TIMEOUT}",
+        )
+    return PeerSettings(listen, peers, secret_raw, lookup, fetch, lease)
+
+
+def _seconds(extra: Mapping[str, object], key: str, default: float) -> float:
+    raw = extra.get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise _invalid(key, raw, "expected a number of seconds")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise _invalid(key, raw, "expected a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise _invalid(key, raw, "expected a finite, positive number of seconds")
+    return seconds

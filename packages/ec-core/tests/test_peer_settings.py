@@ -1,0 +1,99 @@
+"""The cross-engine keys: parsed, checked against the role, secrets never shown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ec_core.peer_settings import SECRET_ENV, PeerAddress, parse_peer_settings
+from ec_core.settings import ECCPUSettings
+
+SECRET = "s3cret-for-tests"
+
+
+def test_no_peer_key_means_the_layer_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert parse_peer_settings({}, "ec_both") is None
+    settings = ECCPUSettings.from_extra_config({"ec_cpu_bytes": 4096}, block_size_bytes=512)
+    assert settings.peers is None
+
+
+def test_a_producer_and_a_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    both = parse_peer_settings(
+        {
+            "ec_peer_listen": "127.0.0.1:5710",
+            "ec_peers": ["10.0.0.2:5710", "[::1]:6000", "node-3.local:5711"],
+            "ec_peer_secret": SECRET,
+            "ec_peer_lookup_timeout_s": "0.5",
+        },
+        "ec_both",
+    )
+    assert both is not None
+    assert both.listen == PeerAddress("127.0.0.1", 5710)
+    assert [str(p) for p in both.peers] == ["10.0.0.2:5710", "::1:6000", "node-3.local:5711"]
+    assert both.lookup_timeout_s == 0.5 and both.fetch_timeout_s == 10 and both.lease_s == 30
+    assert SECRET not in repr(both)
+
+
+def test_the_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    peers = parse_peer_settings({"ec_peers": ["127.0.0.1:1"]}, "ec_consumer")
+    assert peers is not None and peers.secret == SECRET
+    # A secret alone turns the layer on: request-level handles can then be used.
+    alone = parse_peer_settings({}, "ec_consumer")
+    assert alone is not None and alone.peers == () and alone.listen is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "role", "needle"),
+    [
+        ({"ec_peer_listen": "127.0.0.1:5710"}, "ec_both", "shared secret of at least"),
+        ({"ec_peers": ["a:1"], "ec_peer_secret": "short"}, "ec_both", "shared secret"),
+        ({"ec_peer_listen": "nohost", "ec_peer_secret": SECRET}, "ec_both", "HOST:PORT"),
+        ({"ec_peer_listen": "h:70000", "ec_peer_secret": SECRET}, "ec_both", "between 1 and"),
+        ({"ec_peer_listen": "h:1", "ec_peer_secret": SECRET}, "ec_consumer", "only ec_producer"),
+        ({"ec_peers": ["h:1"], "ec_peer_secret": SECRET}, "ec_producer", "only ec_consumer"),
+        ({"ec_peers": "h:1", "ec_peer_secret": SECRET}, "ec_both", "a list of"),
+        ({"ec_peers": ["h:1", "h:1"], "ec_peer_secret": SECRET}, "ec_both", "listed twice"),
+        (
+            {"ec_peers": ["h:1"], "ec_peer_listen": "h:1", "ec_peer_secret": SECRET},
+            "ec_both",
+            "own ec_peer_listen",
+        ),
+        (
+            {"ec_peers": ["h:1"], "ec_peer_secret": SECRET, "ec_peer_lease_s": 5},
+            "ec_both",
+            "must exceed ec_peer_fetch_timeout_s",
+        ),
+        (
+            {"ec_peers": ["h:1"], "ec_peer_secret": SECRET, "ec_peer_lookup_timeout_s": 0},
+            "ec_both",
+            "positive",
+        ),
+        ({"ec_peer_lease_s": 60}, "ec_both", "set ec_peer_listen or ec_peers"),
+    ],
+)
+def test_malformed_peer_settings_name_the_key_and_hide_the_secret(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any], role: str, needle: str
+) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="ec_connector_extra_config") as info:
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, **extra}, block_size_bytes=512, role=role
+        )
+    assert needle in str(info.value)
+    assert "short" not in str(info.value) and SECRET not in str(info.value)
+
+
+def test_peer_keys_are_known_keys(
+    monkeypatch: pytest.MonkeyPatch, ec_log: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096, "ec_peers": ["h:1"], "ec_peer_secret": SECRET},
+        block_size_bytes=512,
+        role="ec_both",
+    )
+    assert not any("unknown" in r.getMessage() for r in ec_log.records)

@@ -1,0 +1,177 @@
+"""The scheduler's one seam for entries held by other engines.
+
+Runs in the scheduler process. A transport package (ec-transfer-nixl)
+announces a factory in the entry-point group `ec_cpu_tier.transports`; when a
+cross-engine key is configured the scheduler builds one `RemoteSource` with
+it, and hands it a `LocalEntries`: the only way the source's own threads touch
+this engine's entries, always under the scheduler's lock. A fetched entry is
+written into this engine's region like a save, so the workers load it like
+any other entry.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.extents import Run
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+    from ec_core.layout import RegionLayout
+
+TRANSPORT_GROUP = "ec_cpu_tier.transports"
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """An item a request needs that this engine does not hold: its key and `(rows, cols)`."""
+
+    key: str
+    rows: int
+    cols: int
+
+
+class RemoteSource(Protocol):
+    """What a transport provides to the scheduler."""
+
+    def wants(self, request: Request, missing: Sequence[Wanted]) -> bool:
+        """The request's items this engine lacks (called from `ensure_cache_available`,
+        every time, `missing` possibly empty).
+
+        True while the request should wait for fetches started now or earlier;
+        False once none is in flight for it (fetched items are then ready here,
+        the rest are encoded). Must be cheap and must not block.
+        """
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """`ec_transfer_params` for a finished request: handles to this engine's entries."""
+
+    def stat_totals(self) -> dict[str, float]:
+        """Cumulative counters of the transport (names in ec_core.stats)."""
+
+    def shutdown(self) -> None:
+        """Stop serving and fetching; release every lease and reservation. Idempotent."""
+
+
+RemoteSourceFactory = Callable[["VllmConfig", "RegionLayout", "LocalEntries"], RemoteSource]
+
+
+def load_remote_source(
+    vllm_config: VllmConfig, layout: RegionLayout, local: LocalEntries
+) -> RemoteSource:
+    """Build the installed transport's source, or raise naming the package to install."""
+    entries = list(importlib.metadata.entry_points(group=TRANSPORT_GROUP))
+    if not entries:
+        raise ValueError(
+            "EC CPU tier: ec_peer_listen / ec_peers / ec_peer_secret are set, but no "
+            "cross-engine transport is installed; install ec-transfer-nixl "
+            "(pip install ec-transfer-nixl, plus NIXL as its README says)"
+        )
+    factory: RemoteSourceFactory = entries[0].load()
+    return factory(vllm_config, layout, local)
+
+
+EntryState = Literal["ready", "saving", "missing"]
+
+
+class LocalEntries:
+    """This engine's entries as a remote source may see and change them.
+
+    Every method takes the scheduler's lock, so a source's threads and vLLM's
+    scheduler thread never change the allocator at the same time. Leases
+    (producer side) are pins; reservations (consumer side) are not-ready
+    entries that only `landed` makes loadable.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        lock: threading.RLock,
+        release_pin: Callable[[str], None],
+        is_stale: Callable[[str], bool],
+        blocks_for: Callable[[int, int], int],
+    ) -> None:
+        self._allocator = allocator
+        self._lock = lock
+        self._release_pin = release_pin
+        self._is_stale = is_stale
+        self._blocks_for = blocks_for
+        self.closed = False
+
+    # ------------------------------------------------------ producer side
+
+    def state(self, key: str) -> EntryState:
+        with self._lock:
+            entry = self._allocator.get(key)
+            if entry is None or self._is_stale(key):
+                return "missing"
+            return "ready" if entry.ready else "saving"
+
+    def shape(self, key: str) -> tuple[int, int] | None:
+        with self._lock:
+            entry = self._allocator.get(key)
+            return entry.shape if entry is not None else None
+
+    def lease(
+        self, key: str, rows: int, cols: int
+    ) -> tuple[EntryState | Literal["shape"], tuple[Run, ...]]:
+        """Pin a ready entry of exactly `(rows, cols)` for a peer; its runs, or why not."""
+        with self._lock:
+            if self.closed:
+                return "missing", ()
+            entry = self._allocator.get(key)
+            if entry is None or self._is_stale(key):
+                return "missing", ()
+            if not entry.ready:
+                return "saving", ()
+            if entry.shape != (rows, cols):
+                return "shape", ()
+            self._allocator.pin(key)
+            return "ready", entry.runs
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Give back leases taken with `lease` (one pin each)."""
+        with self._lock:
+            if self.closed:
+                return
+            for key in keys:
+                if key in self._allocator:
+                    self._release_pin(key)
+
+    # ------------------------------------------------------ consumer side
+
+    def reserve(self, key: str, rows: int, cols: int) -> tuple[Run, ...] | None:
+        """Blocks for an entry about to be fetched, or None (held already, or no room).
+
+        The entry is not ready: nothing loads it and no save is allocated for
+        its key until `landed` or `abandon`.
+        """
+        with self._lock:
+            if self.closed or key in self._allocator:
+                return None
+            blocks = self._blocks_for(rows, cols)
+            entry = self._allocator.alloc(key, blocks, (rows, cols), force=True)
+            return entry.runs if entry is not None else None
+
+    def landed(self, key: str) -> bool:
+        """The fetched bytes are in place: make the entry ready (False if it went away)."""
+        with self._lock:
+            entry = self._allocator.get(key)
+            if self.closed or entry is None or entry.ready:
+                return False
+            self._allocator.mark_ready(key)
+            return True
+
+    def abandon(self, key: str) -> None:
+        """Free a reservation whose fetch failed (only once nothing can write to it)."""
+        with self._lock:
+            entry = self._allocator.get(key)
+            if not self.closed and entry is not None and not entry.ready:
+                self._allocator.discard(key)

@@ -1,0 +1,258 @@
+"""NixlRemoteSource: the scheduler's remote source over NIXL and ZMQ.
+
+Runs in the scheduler process. It maps this engine's region (the workers
+created it), and starts a PeerServer when `ec_peer_listen` is set and a
+Fetcher on a consumer role; `wants` and `request_finished` are called by the
+scheduler thread under the scheduler's lock and never block.
+
+Request-level handles: `request_finished` returns, for the items of a
+request this engine holds (ready, or being saved),
+
+    {"ec_cpu_tier": {"version": 1, "peer": "HOST:PORT", "fingerprint": "...",
+                     "items": {key: [rows, cols], ...}}}
+
+which vLLM puts on the output's `ec_transfer_params`. A consumer request that
+carries it (`SamplingParams.extra_args["ec_transfer_params"]`, or the HTTP
+request's top-level field) asks that producer too, with or without `ec_peers`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from ec_core._vllm import get_logger
+from ec_core.layout import open_region
+from ec_core.peer_settings import PeerAddress
+from ec_core.ratelimit import RateLimitedWarnings
+from ec_transfer_nixl.agent import RegionAgent, Span
+from ec_transfer_nixl.counters import PeerCounters
+from ec_transfer_nixl.fetcher import Fetcher, FetchTask, ItemFetch
+from ec_transfer_nixl.server import PeerServer
+from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+    from ec_core.layout import RegionLayout
+    from ec_scheduler.remote import LocalEntries, Wanted
+
+logger = get_logger(__name__)
+
+HANDLE_KEY = "ec_cpu_tier"
+NEGATIVE_TTL_S = 5.0
+"""How long an item no peer could provide is not asked for again."""
+NEGATIVE_MAX = 10_000
+NEGATIVE_CAUSES = frozenset({"missing", "shape", "incompatible"})
+
+
+class NixlRemoteSource:
+    """A `RemoteSource` (ec_scheduler.remote) over NIXL READs and a ZMQ control plane."""
+
+    def __init__(self, vllm_config: VllmConfig, layout: RegionLayout, local: LocalEntries) -> None:
+        peers = layout.settings.peers
+        ec_config = vllm_config.ec_transfer_config
+        if peers is None or ec_config is None:
+            raise ValueError("NixlRemoteSource needs peer settings")
+        self._settings = peers
+        self._local = local
+        self._itemsize = layout.dtype.itemsize
+        self._block = layout.block_size_bytes
+        self.counters = PeerCounters()
+        self._warnings = RateLimitedWarnings(logger)
+        model = vllm_config.model_config
+        self.fingerprint = fingerprint(
+            model=str(model.model),
+            revision=model.revision,
+            dtype=str(layout.dtype),
+            embed_width=layout.embed_width,
+            block_bytes=layout.block_size_bytes,
+        )
+        self._region = open_region(layout)  # joins the file the workers created
+        self._base = self._region.base_address
+        self._nbytes = self._region.nbytes
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._tasks: dict[str, FetchTask] = {}
+        self._negative: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._closed = False
+        secret = peers.secret.encode()
+        self.server: PeerServer | None = None
+        self.fetcher: Fetcher | None = None
+        self.advertised = _advertised(peers.listen) if peers.listen is not None else None
+        try:
+            if peers.listen is not None:
+                self.server = PeerServer(
+                    context=self._context,
+                    listen=peers.listen,
+                    secret=secret,
+                    fingerprint=self.fingerprint,
+                    local=local,
+                    make_agent=lambda: self._agent("serve"),
+                    spans=self._spans,
+                    itemsize=self._itemsize,
+                    lease_s=peers.lease_s,
+                    counters=self.counters,
+                )
+                self.server.start()
+            if ec_config.is_ec_consumer:
+                self.fetcher = Fetcher(
+                    context=self._context,
+                    secret=secret,
+                    fingerprint=self.fingerprint,
+                    local=local,
+                    make_agent=lambda: self._agent("fetch"),
+                    spans=self._spans,
+                    itemsize=self._itemsize,
+                    counters=self.counters,
+                    on_failed=self._note_failure,
+                )
+                self.fetcher.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "EC CPU tier peers: wire %d, fingerprint %s, listen=%s peers=%s",
+            WIRE_VERSION,
+            self.fingerprint,
+            self.advertised,
+            ",".join(map(str, peers.peers)) or "-",
+        )
+
+    def _agent(self, role: str) -> RegionAgent:
+        name = f"ec-cpu-{role}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return RegionAgent(name, self._base, self._nbytes)
+
+    def _spans(self, runs: tuple[tuple[int, int], ...], nbytes: int) -> list[Span]:
+        """Where an entry of `nbytes` over `runs` lies in this process's mapping."""
+        spans: list[Span] = []
+        left = nbytes
+        for first, count in runs:
+            if left <= 0:
+                break
+            size = min(count * self._block, left)
+            spans.append((self._base + first * self._block, size))
+            left -= size
+        return spans
+
+    # ------------------------------------------------------------ consumer
+
+    def wants(self, request: Request, missing: Sequence[Wanted]) -> bool:
+        task = self._tasks.get(request.request_id)
+        if task is not None:
+            return not task.done
+        if self.fetcher is None or self._closed:
+            return False
+        candidates = list(self._settings.peers)
+        handle_peer = self._handle_peer(request)
+        if handle_peer is not None and handle_peer not in candidates:
+            candidates.insert(0, handle_peer)
+        now = time.monotonic()
+        items = {w.key: ItemFetch(w) for w in missing if not self._recently_failed(w.key, now)}
+        if not candidates or not items:
+            return False
+        task = FetchTask(
+            request_id=request.request_id,
+            items=items,
+            candidates=tuple(candidates),
+            lookup_deadline=now + self._settings.lookup_timeout_s,
+            deadline=now + self._settings.fetch_timeout_s,
+        )
+        self._tasks[request.request_id] = task
+        self.fetcher.submit(task)
+        return True
+
+    def _handle_peer(self, request: Request) -> PeerAddress | None:
+        params = getattr(request, "ec_transfer_params", None)
+        handle = params.get(HANDLE_KEY) if isinstance(params, dict) else None
+        if not isinstance(handle, dict):
+            return None
+        try:
+            peer = PeerAddress.parse("ec_transfer_params.peer", handle.get("peer"))
+        except ValueError:
+            self._warnings.warn("handle", "EC CPU tier: ignoring a malformed ec_transfer_params")
+            return None
+        if handle.get("fingerprint") != self.fingerprint:
+            self._warnings.warn(
+                f"handle-fp:{peer}",
+                "EC CPU tier: ec_transfer_params name %s, whose engine is incompatible with "
+                "this one (another model, dtype, width or wire version); encoding here",
+                peer,
+            )
+            self.counters.fell_back("incompatible")
+            return None
+        return peer
+
+    def _recently_failed(self, key: str, now: float) -> bool:
+        until = self._negative.get(key)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        self._negative.pop(key, None)
+        return False
+
+    def _note_failure(self, key: str, cause: str) -> None:
+        """Fetcher thread: remember items no peer has, so they are not asked again at once."""
+        if cause in NEGATIVE_CAUSES:
+            self._negative[key] = time.monotonic() + NEGATIVE_TTL_S
+            while len(self._negative) > NEGATIVE_MAX:
+                self._negative.popitem(last=False)
+
+    # ------------------------------------------------------------ producer
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        self._tasks.pop(request.request_id, None)
+        if self.advertised is None:
+            return None
+        items: dict[str, list[int]] = {}
+        for feature in request.mm_features:
+            if self._local.state(feature.identifier) == "missing":
+                continue
+            shape = self._local.shape(feature.identifier)
+            if shape is not None:
+                items[feature.identifier] = [shape[0], shape[1]]
+        if not items:
+            return None
+        return {
+            HANDLE_KEY: {
+                "version": WIRE_VERSION,
+                "peer": self.advertised,
+                "fingerprint": self.fingerprint,
+                "items": items,
+            }
+        }
+
+    # --------------------------------------------------------------- misc
+
+    def stat_totals(self) -> dict[str, float]:
+        return self.counters.totals()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        threads_done = True
+        if self.fetcher is not None:
+            threads_done &= self.fetcher.stop()
+        if self.server is not None:
+            threads_done &= self.server.stop()
+        self._local.closed = True
+        if threads_done:  # term() would wait for sockets a hung thread still holds
+            self._context.term()
+        self._region.cleanup()
+
+
+def _advertised(listen: PeerAddress) -> str:
+    """The address other engines reach this one at (a wildcard bind names this host)."""
+    host = listen.host
+    if host in ("0.0.0.0", "::", "*"):
+        host = socket.getfqdn()
+    return f"{host}:{listen.port}"

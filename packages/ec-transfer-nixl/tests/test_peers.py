@@ -1,0 +1,317 @@
+"""Two engines' scheduler halves and CPU workers in one process, over real NIXL and ZMQ.
+
+A producer saves entries; a consumer with `ec_peers` defers a request that
+needs them, fetches them with NIXL READs into its own region, and loads them
+with its ordinary worker. Then the failures: wrong secret, incompatible
+peer, unreachable peer, a peer still saving, a full consumer region, and a
+producer that stops in the middle.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ec_core.metadata import ECCPUConnectorMetadata
+from ec_core.worker_process.ranks import RankInfo
+from ec_scheduler import ECCPUScheduler
+from ec_worker_cpu.worker import CpuECCPUWorker
+from ectools.configs import make_vllm_config
+from ectools.driving import Item, StepDriver, connector_output, make_request
+
+WIDTH = 128
+SECRET = "a-test-secret-0123"
+WAIT_S = 60.0
+"""Upper bound for a condition that normally holds within milliseconds (CI slack)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def payload(key: str, rows: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(sum(key.encode()) * 1000 + rows)
+    return torch.randn(rows, WIDTH, generator=generator)
+
+
+@dataclass
+class Engine:
+    """One engine's scheduler half and its one CPU worker (rank 0)."""
+
+    scheduler: ECCPUScheduler
+    worker: CpuECCPUWorker
+
+    def run_step(self, meta: ECCPUConnectorMetadata) -> dict[str, torch.Tensor]:
+        """Play the worker for `meta` (saves get their payload) and report back."""
+        cache: dict[str, torch.Tensor] = {}
+        self.worker.bind(meta)
+        self.worker.start_load_caches(cache, meta)
+        for key, (rows, _) in meta.save_shapes.items():
+            cache[key] = payload(key, rows).to(self.worker.dtype)
+            self.worker.save_caches(cache, key, meta)
+        self.worker.get_finished()
+        report = self.worker.build_connector_worker_meta()
+        self.scheduler.update_connector_output(connector_output(report))
+        return cache
+
+    def save(self, *items: Item) -> None:
+        meta = StepDriver(self.scheduler).step([make_request("save", list(items))]).meta
+        assert set(meta.saves) == {i.identifier for i in items}
+        self.run_step(meta)
+        for item in items:
+            entry = self.scheduler.allocator.get(item.identifier)
+            assert entry is not None and entry.ready
+
+    def wait_available(self, request: Any) -> float:
+        """Call ensure_cache_available until it stops deferring; the seconds it took."""
+        began = time.monotonic()
+        while not self.scheduler.ensure_cache_available(request, 0):
+            assert time.monotonic() - began < WAIT_S, "a deferred request was never released"
+            time.sleep(0.002)
+        return time.monotonic() - began
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(role: str, *, blocks: int = 256, dtype: str = "float32", **peer: Any) -> Engine:
+        region = tmp_path / f"region{len(made)}"
+        region.mkdir()
+        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        extra = {"ec_cpu_bytes": blocks * WIDTH * itemsize, "ec_cpu_dir": str(region)}
+        extra.update({"ec_peer_secret": SECRET, **peer})
+        config = make_vllm_config(
+            tiny_model_dir, role=role, extra=extra, widths={"image": WIDTH}, dtype=dtype
+        )
+        engine = Engine(ECCPUScheduler(config), CpuECCPUWorker(config, rank_info=RankInfo(0, True)))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.close()
+
+
+def _pair(make_engine: Callable[..., Engine], **consumer: Any) -> tuple[Engine, Engine, str]:
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address)
+    consumer_peers = consumer.pop("ec_peers", [address])
+    return producer, make_engine("ec_consumer", ec_peers=consumer_peers, **consumer), address
+
+
+def _fallbacks(engine: Engine) -> dict[str, int]:
+    return {
+        name.split(":", 1)[1]: int(value)
+        for name, value in engine.scheduler.stat_totals().items()
+        if name.startswith("remote_fallbacks:")
+    }
+
+
+def test_a_consumer_fetches_what_a_producer_saved_and_loads_it(
+    make_engine: Callable[..., Engine],
+) -> None:
+    producer, consumer, _ = _pair(make_engine)
+    items = [Item("img-a", 8), Item("img-b", 5)]
+    producer.save(*items)
+    request = make_request("r1", items)
+    assert not consumer.scheduler.ensure_cache_available(request, 0), "deferred while fetching"
+    consumer.wait_available(request)
+    meta = StepDriver(consumer.scheduler).step([request]).meta
+    assert set(meta.loads) == {"img-a", "img-b"} and meta.saves == {}
+    cache = consumer.run_step(meta)
+    for item in items:
+        assert torch.equal(cache[item.identifier], payload(item.identifier, item.embeds))
+    totals = consumer.scheduler.stat_totals()
+    assert totals["remote_lookups"] == 2 and totals["remote_hits"] == 2
+    assert totals["bytes_fetched"] == (8 + 5) * WIDTH * 4
+    assert _fallbacks(consumer) == {}
+    served = producer.scheduler.stat_totals()
+    assert served["peer_lookups_served"] == 2
+    began = time.monotonic()
+    while producer.scheduler.allocator.num_held_entries:  # the READs' notifications unpin
+        assert time.monotonic() - began < WAIT_S, "the producer kept its leases"
+        time.sleep(0.005)
+    assert producer.scheduler.stat_totals()["peer_bytes_served"] == (8 + 5) * WIDTH * 4
+    # Fetched once, local afterwards: the next request does not wait.
+    again = make_request("r2", items)
+    assert consumer.scheduler.ensure_cache_available(again, 0)
+
+
+def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., Engine]) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_producer", ec_peer_listen=address)
+    consumer = make_engine("ec_consumer")  # a secret, no peers: handles only
+    item = Item("img-h", 6)
+    producer.save(item)
+    finished = make_request("done", [item])
+    _, params = producer.scheduler.request_finished(finished)
+    assert params is not None
+    handle = params["ec_cpu_tier"]
+    assert handle["peer"] == address and handle["items"] == {"img-h": [6, WIDTH]}
+    request = make_request("r", [item])
+    assert consumer.scheduler.ensure_cache_available(request, 0), "no handle: nothing to wait for"
+    request = make_request("r-with-handle", [item])
+    request.ec_transfer_params = params
+    consumer.wait_available(request)
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-h"], payload("img-h", 6))
+
+
+def test_a_wrong_secret_gets_nothing(
+    make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
+) -> None:
+    producer, consumer, _ = _pair(make_engine, ec_peer_secret="another-secret-9876")
+    producer.save(Item("img-s", 4))
+    request = make_request("r", [Item("img-s", 4)])
+    consumer.wait_available(request)
+    meta = StepDriver(consumer.scheduler).step([request]).meta
+    assert meta.loads == {}, "encoded locally"
+    assert _fallbacks(consumer) == {"unreachable": 1}
+    assert producer.scheduler.stat_totals()["peer_requests_denied"] >= 1
+    assert producer.scheduler.stat_totals()["peer_lookups_served"] == 0
+    assert not producer.scheduler.allocator.has_held_entries(), "no pin for a stranger"
+    assert any("not signed" in r.getMessage() for r in ec_log.records)
+    assert any("is not asked for" in r.getMessage() for r in ec_log.records)
+
+
+def test_an_incompatible_peer_is_not_read(
+    make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
+) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address, dtype="bfloat16")
+    consumer = make_engine("ec_consumer", ec_peers=[address])
+    producer.save(Item("img-i", 4))
+    request = make_request("r", [Item("img-i", 4)])
+    consumer.wait_available(request)
+    assert _fallbacks(consumer) == {"incompatible": 1}
+    assert any("incompatible engine" in r.getMessage() for r in ec_log.records)
+    later = make_request("r2", [Item("img-j", 4)])
+    consumer.wait_available(later)
+    assert _fallbacks(consumer) == {"incompatible": 2}, "not asked again"
+    assert producer.scheduler.stat_totals()["peer_lookups_served"] == 0
+
+
+def test_an_unreachable_peer_fails_fast_and_is_left_alone(
+    make_engine: Callable[..., Engine],
+) -> None:
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    request = make_request("r", [Item("img-u", 4)])
+    waited = consumer.wait_available(request)
+    assert waited < WAIT_S
+    assert _fallbacks(consumer) == {"unreachable": 1}
+    meta = StepDriver(consumer.scheduler).step([request]).meta
+    assert meta.loads == {}
+    assert not consumer.scheduler.allocator.has_held_entries()
+
+
+def test_missing_items_and_a_full_consumer_region_fall_back(
+    make_engine: Callable[..., Engine],
+) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address)
+    consumer = make_engine("ec_consumer", ec_peers=[address], blocks=8)
+    producer.save(Item("big", 16))
+    consumer.wait_available(make_request("r1", [Item("nowhere", 4)]))
+    assert _fallbacks(consumer) == {"missing": 1}
+    consumer.wait_available(make_request("r2", [Item("big", 16)]))
+    assert _fallbacks(consumer) == {"missing": 1, "no_space": 1}
+    assert not consumer.scheduler.allocator.has_held_entries()
+    began = time.monotonic()
+    while producer.scheduler.allocator.num_held_entries:
+        assert time.monotonic() - began < WAIT_S, "the producer kept the unread lease"
+        time.sleep(0.005)
+
+
+def test_an_item_still_being_saved_is_fetched_once_ready(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The producer answers "saving" until its save lands; the consumer keeps asking
+    (within a lookup timeout long enough for the test) and then fetches it."""
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address)
+    consumer = make_engine(
+        "ec_consumer",
+        ec_peers=[address],
+        ec_peer_lookup_timeout_s=WAIT_S,
+        ec_peer_fetch_timeout_s=WAIT_S,
+        ec_peer_lease_s=2 * WAIT_S,
+    )
+    item = Item("img-late", 4)
+    meta = StepDriver(producer.scheduler).step([make_request("save", [item])]).meta
+    request = make_request("r", [item])
+    assert not consumer.scheduler.ensure_cache_available(request, 0)
+    began = time.monotonic()
+    while not producer.scheduler.stat_totals()["peer_lookups_not_ready"]:
+        assert time.monotonic() - began < WAIT_S, "the producer never answered"
+        time.sleep(0.002)
+    assert not consumer.scheduler.ensure_cache_available(request, 0), "still waiting"
+    producer.run_step(meta)  # now the save lands
+    consumer.wait_available(request)
+    assert _fallbacks(consumer) == {}
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-late"], payload("img-late", 4))
+
+
+def test_a_producer_that_stops_leaves_the_consumer_correct_and_clean(
+    make_engine: Callable[..., Engine],
+) -> None:
+    producer, consumer, _ = _pair(make_engine)
+    producer.save(Item("img-x", 4))
+    producer.scheduler.shutdown()  # its server stops answering
+    request = make_request("r", [Item("img-x", 4)])
+    consumer.wait_available(request)
+    fallbacks = _fallbacks(consumer)
+    assert sum(fallbacks.values()) == 1 and set(fallbacks) <= {"unreachable", "timeout"}
+    assert not consumer.scheduler.allocator.has_held_entries()
+    assert StepDriver(consumer.scheduler).step([request]).meta.loads == {}
+
+
+def test_no_transport_module_is_imported_without_peer_keys(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from ec_scheduler import ECCPUScheduler
+        from ectools.configs import make_vllm_config
+        config = make_vllm_config({tiny_model_dir!r}, extra={{"ec_cpu_bytes": "1MiB",
+            "ec_cpu_dir": {str(tmp_path)!r}}}, widths={{"image": 128}})
+        ECCPUScheduler(config).shutdown()
+        print(sorted(m for m in ("zmq", "msgspec", "nixl", "nixl_cu12", "ec_transfer_nixl")
+                     if m in sys.modules))
+        """
+    )
+    tools = str(Path(__file__).resolve().parents[3] / "tools")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": tools},
+    )
+    # vLLM itself imports zmq and msgspec; ours must add neither NIXL nor the layer.
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "nixl" not in loaded and "ec_transfer_nixl" not in loaded
+    # And the layer's package itself (what its entry point loads) imports none of them.
+    probe = "import sys, ec_transfer_nixl; print(sorted(m for m in sys.modules if m in "
+    probe += "('zmq', 'msgspec', 'nixl', 'nixl_cu12', 'torch', 'vllm')))"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
