@@ -15,7 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ class EngineSpec:
     """Enable vLLM's stats and return the connector's Prometheus metrics."""
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks (each a worker process; one CPU core each)."""
+    ec_transfer_params: dict[str, Any] = field(default_factory=dict)
+    """Per image index (as a string): the `ec_transfer_params` its requests carry."""
 
 
 TEST_PASSES = [list(range(10)), list(range(10))]
@@ -145,6 +149,7 @@ def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
     state["region_path"] = str(scheduler.layout.path)
     state["held_entries"] = scheduler.allocator.num_held_entries
     state["in_flight"] = len(scheduler.flights.saves) + len(scheduler.flights.loads)
+    state["totals"] = scheduler.stat_totals()
     return state
 
 
@@ -193,6 +198,7 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     _progress("ready", seconds=result["ready_s"])
     encoded = _count_encoded_items(llm)
     passes: list[list[list[int]]] = []
+    handles: list[list[Any]] = []
     seconds: list[float] = []
     region_dir = spec.extra.get("ec_cpu_dir", "/dev/shm")
     for number, indices in enumerate(spec.passes):
@@ -200,16 +206,29 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         if spec.announce_passes:
             print(f"RUNNING {number}", flush=True)
         began = time.perf_counter()
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        per_request = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=spec.max_tokens,
+                ignore_eos=True,
+                extra_args={"ec_transfer_params": spec.ec_transfer_params[str(i)]},
+            )
+            if str(i) in spec.ec_transfer_params
+            else sampling
+            for i in indices
+        ]
+        outputs = llm.generate(prompts, per_request, use_tqdm=False)
         seconds.append(round(time.perf_counter() - began, 3))
         passes.append([list(out.outputs[0].token_ids) for out in outputs])
+        handles.append([getattr(out, "ec_transfer_params", None) for out in outputs])
         _progress("pass", number=number + 1, of=len(spec.passes), seconds=seconds[-1])
         if spec.corrupt_after_pass == number:
             result["corrupted_files"] = corrupt_regions(region_dir)
         if spec.hold_after_pass == number:
-            print("READY", json.dumps({"passes": passes}), flush=True)
+            print("READY", json.dumps({"passes": passes, "handles": handles}), flush=True)
             time.sleep(3600)
     result["passes"] = passes
+    result["handles"] = handles
     result["pass_seconds"] = seconds
     result["counters"] = _scheduler_counters(llm)
     if spec.metrics:
@@ -253,34 +272,70 @@ def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
     )
 
 
+def _start_until(
+    spec: EngineSpec, line_prefix: str, log: Any = subprocess.DEVNULL
+) -> tuple[subprocess.Popen[str], str]:
+    """Start an engine in its own process group; return once it printed a line
+    starting with `line_prefix` (and that line)."""
+    proc = launch(spec, stderr=log, start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(line_prefix):
+            return proc, line
+    rc = proc.wait()
+    raise AssertionError(f"engine exited (rc {rc}) before {line_prefix!r}")
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(60)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
     """Start an engine, SIGKILL its whole process group once it prints a line
     starting with `line_prefix`, and return the region files it had mapped.
 
-    Returns only after the group is dead and reaped, so the files listed are
-    exactly what a killed engine leaves behind.
+    Returns only after every process of the group has let go of them, so the
+    files listed are exactly what a killed engine leaves behind.
     """
     directory = spec.extra.get("ec_cpu_dir")
     if directory is None:
         raise ValueError("kill_at needs a spec with its own ec_cpu_dir")
-    proc = launch(spec, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc, _ = _start_until(spec, line_prefix)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(line_prefix):
-                break
-        else:
-            raise AssertionError(f"engine exited (rc {proc.wait()}) before {line_prefix!r}")
         mapped = region_files(directory)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _kill_group(proc)
     for path in mapped:
         _wait_until_unlocked(path)
     return mapped
+
+
+@contextlib.contextmanager
+def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """An engine that has run its passes and keeps running (and serving peers).
+
+    Yields the process and what it printed (`passes`, `handles`); SIGKILLs its
+    process group on exit and waits until its region files are let go.
+    """
+    held = replace(spec, hold_after_pass=len(spec.passes) - 1)
+    with tempfile.TemporaryFile("w+") as log:
+        proc, line = _start_until(held, "READY", log)
+        try:
+            yield proc, json.loads(line[len("READY ") :])
+        except BaseException:
+            log.seek(0)
+            sys.stderr.write(log.read()[-6000:])
+            raise
+        finally:
+            directory = spec.extra.get("ec_cpu_dir")
+            mapped = region_files(directory) if directory else []
+            _kill_group(proc)
+            for path in mapped:
+                _wait_until_unlocked(path)
 
 
 def _wait_until_unlocked(path: Path, timeout_s: float = 120.0) -> None:

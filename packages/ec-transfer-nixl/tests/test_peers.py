@@ -50,6 +50,10 @@ class Engine:
     scheduler: ECCPUScheduler
     worker: CpuECCPUWorker
 
+    drop_reports: bool = False
+    """Play vLLM's V1 runner on an encode-only engine: the worker's report never
+    reaches the scheduler through vLLM (only through the side channel)."""
+
     def run_step(self, meta: ECCPUConnectorMetadata) -> dict[str, torch.Tensor]:
         """Play the worker for `meta` (saves get their payload) and report back."""
         cache: dict[str, torch.Tensor] = {}
@@ -60,7 +64,8 @@ class Engine:
             self.worker.save_caches(cache, key, meta)
         self.worker.get_finished()
         report = self.worker.build_connector_worker_meta()
-        self.scheduler.update_connector_output(connector_output(report))
+        if not self.drop_reports:
+            self.scheduler.update_connector_output(connector_output(report))
         return cache
 
     def save(self, *items: Item) -> None:
@@ -264,6 +269,46 @@ def test_an_item_still_being_saved_is_fetched_once_ready(
     assert _fallbacks(consumer) == {}
     cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
     assert torch.equal(cache["img-late"], payload("img-late", 4))
+
+
+def test_a_peer_still_saving_at_the_lookup_deadline_is_not_taken_for_down(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """An item still being saved when the lookup deadline passes is encoded here
+    (cause not_ready); the peer answered, so it is asked again for the next item."""
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address)
+    consumer = make_engine("ec_consumer", ec_peers=[address], ec_peer_lookup_timeout_s=5)
+    item = Item("img-slow", 4)
+    meta = StepDriver(producer.scheduler).step([make_request("save", [item])]).meta
+    consumer.wait_available(make_request("r1", [item]))  # the save never lands in time
+    assert _fallbacks(consumer) == {"not_ready": 1}
+    producer.run_step(meta)
+    request = make_request("r2", [item])
+    consumer.wait_available(request)
+    assert _fallbacks(consumer) == {"not_ready": 1}, "fetched: the peer was not marked down"
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-slow"], payload("img-slow", 4))
+
+
+def test_an_encode_only_producer_whose_reports_vllm_drops_still_serves(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """vLLM 0.32's V1 runner drops an ec_producer's worker reports; they arrive on
+    the side channel, so its saves become ready and consumers fetch them."""
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_producer", ec_peer_listen=address)
+    producer.drop_reports = True
+    consumer = make_engine("ec_consumer", ec_peers=[address])
+    item = Item("img-encoded", 6)
+    producer.run_step(StepDriver(producer.scheduler).step([make_request("save", [item])]).meta)
+    request = make_request("r", [item])
+    consumer.wait_available(request)
+    assert _fallbacks(consumer) == {}
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-encoded"], payload("img-encoded", 6))
+    entry = producer.scheduler.allocator.get("img-encoded")
+    assert entry is not None and entry.ready and not producer.scheduler.allocator.has_held_entries()
 
 
 def test_a_producer_that_stops_leaves_the_consumer_correct_and_clean(

@@ -42,8 +42,9 @@ class RemoteSource(Protocol):
     """What a transport provides to the scheduler."""
 
     def wants(self, request: Request, missing: Sequence[Wanted]) -> bool:
-        """The request's items this engine lacks (called from `ensure_cache_available`,
-        every time, `missing` possibly empty).
+        """The request's items not ready here (called from `ensure_cache_available`
+        every time, `missing` possibly empty; an item may be absent, or on its way
+        by a local save or a fetch).
 
         True while the request should wait for fetches started now or earlier;
         False once none is in flight for it (fetched items are then ready here,
@@ -97,8 +98,13 @@ class LocalEntries:
         release_pin: Callable[[str], None],
         is_stale: Callable[[str], bool],
         blocks_for: Callable[[int, int], int],
+        *,
+        refresh: Callable[[], None] = lambda: None,
     ) -> None:
+        """`refresh` runs (under the lock) before an entry's state is read, so
+        reports that arrived off the engine loop count at once."""
         self._allocator = allocator
+        self._refresh = refresh
         self._lock = lock
         self._release_pin = release_pin
         self._is_stale = is_stale
@@ -109,6 +115,7 @@ class LocalEntries:
 
     def state(self, key: str) -> EntryState:
         with self._lock:
+            self._refresh()
             entry = self._allocator.get(key)
             if entry is None or self._is_stale(key):
                 return "missing"
@@ -126,6 +133,7 @@ class LocalEntries:
         with self._lock:
             if self.closed:
                 return "missing", ()
+            self._refresh()
             entry = self._allocator.get(key)
             if entry is None or self._is_stale(key):
                 return "missing", ()

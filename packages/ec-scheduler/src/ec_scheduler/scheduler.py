@@ -17,10 +17,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from ec_core import report_channel
 from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.report_channel import ReportReceiver
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.policy import make_policy
 from ec_core.sizes import format_bytes
@@ -118,13 +120,19 @@ class ECCPUScheduler:
         self._publisher = StatsPublisher()
         self.lock = threading.RLock()
         self.remote: RemoteSource | None = None
+        self._side_reports: ReportReceiver | None = None
         if settings.peers is not None:
+            if report_channel.needed(vllm_config, listening=settings.peers.listen is not None):
+                self._side_reports = ReportReceiver(
+                    report_channel.endpoint(self.layout.path), settings.peers.secret.encode()
+                )
             local = LocalEntries(
                 self.allocator,
                 self.lock,
                 self._release_pin,
                 self._stale.__contains__,
                 lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
+                refresh=self._apply_side_reports,
             )
             self.remote = load_remote_source(vllm_config, self.layout, local)
 
@@ -197,9 +205,7 @@ class ECCPUScheduler:
                 if entry.shape[0] == rows:
                     continue
                 self._retire_stale(entry, rows, request.request_id)
-            elif entry is not None:
-                continue  # its save or fetch is under way
-            if rows > 0:
+            if rows > 0:  # absent, or not ready yet: its save or fetch is under way
                 missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
         if self.remote is None:
             return True
@@ -326,6 +332,7 @@ class ECCPUScheduler:
         vLLM did not take up are released, and copies past the report bound are
         marked overdue.
         """
+        self._apply_side_reports()
         self._step += 1
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1
@@ -371,9 +378,20 @@ class ECCPUScheduler:
                 type(report).__qualname__,
             )
             return
+        self._apply(report)
+
+    def _apply(self, report: ECCPUWorkerReport) -> None:
         for name in WORKER_COUNTERS:
             self._worker_totals[name] += report.stats.get(name, 0.0)
         self.settlement.apply(report)
+
+    @_locked
+    def _apply_side_reports(self) -> None:
+        """Apply the reports that came on the side channel (encode-only engines on V1,
+        see `ec_core.report_channel`)."""
+        if self._side_reports is not None and not self._shut_down:
+            for report in self._side_reports.drain():
+                self._apply(report)
 
     def _release_pin(self, key: str) -> None:
         entry = self.allocator.unpin(key)
@@ -430,6 +448,8 @@ class ECCPUScheduler:
         self._shut_down = True
         if self.remote is not None:
             self.remote.shutdown()  # stops its threads before the state goes
+        if self._side_reports is not None:
+            self._side_reports.close()
         self.is_producer = self.is_consumer = False
         self._pending_saves = {}
         self._pending_shapes = {}

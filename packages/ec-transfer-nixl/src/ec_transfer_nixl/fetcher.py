@@ -51,8 +51,11 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-BUSY_POLL_MS = 1
 IDLE_POLL_MS = 50
+WAITING_POLL_MS = 1
+"""While lookups are out: a reply wakes the poll at once anyway."""
+READING_PAUSE_S = 0.00005
+"""While READs run: NIXL progresses them when their state is checked, so check often."""
 SAVING_RETRY_S = 0.01
 """How soon a peer that is still saving an item is asked again."""
 CONNECT_RETRY_S = 0.005
@@ -72,6 +75,8 @@ class ItemFetch:
     asked: set[PeerAddress] = field(default_factory=set)
     answers: dict[PeerAddress, str] = field(default_factory=dict)
     retry_at: dict[PeerAddress, float] = field(default_factory=dict)
+    heard: set[PeerAddress] = field(default_factory=set)
+    """Peers that answered for this item at least once (they are up)."""
     reading: Any = None
     peer: PeerAddress | None = None
     lease: int = 0
@@ -198,8 +203,15 @@ class Fetcher:
         poller.register(self._wake_r, zmq.POLLIN)
         for link in self._links.values():
             poller.register(link.socket, zmq.POLLIN)
-        busy = bool(self._tasks or self._quarantine)
-        events = dict(poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+        reading = bool(self._quarantine) or any(
+            item.reading is not None for task in self._tasks for item in task.items.values()
+        )
+        if reading:
+            events = dict(poller.poll(0))
+            if not events:
+                time.sleep(READING_PAUSE_S)
+        else:
+            events = dict(poller.poll(WAITING_POLL_MS if self._tasks else IDLE_POLL_MS))
         if self._wake_r.fileno() in events:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
@@ -322,9 +334,12 @@ class Fetcher:
                     not_needed.append(key)
                 continue
             item = found
+            item.heard.add(peer)
             if status == OK:
                 if task.done or not self._start_read(task, item, peer, reply, spans):
                     not_needed.append(key)
+                else:
+                    self._poll_read(item)  # a small READ may be done already
             elif status == SAVING:
                 item.answers[peer] = "not_ready"
                 item.retry_at[peer] = self._clock() + SAVING_RETRY_S
@@ -422,7 +437,9 @@ class Fetcher:
         if waiting and now < task.lookup_deadline:
             return
         for peer in waiting:
-            if peer not in item.answers:
+            if peer in item.heard and item.answers.get(peer) is None:
+                item.answers[peer] = "not_ready"  # it answered "saving" until the deadline
+            elif peer not in item.answers:
                 item.answers[peer] = "unreachable"
                 self._peer_down(
                     peer, "no answer in time (wrong ec_peer_secret, stopped, or overloaded)"

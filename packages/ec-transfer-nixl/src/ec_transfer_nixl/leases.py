@@ -22,6 +22,7 @@ class Leases:
         self._clock = clock
         self._held: dict[int, tuple[float, dict[str, int]]] = {}
         self._ids = itertools.count(1)
+        self._last_grant = float("-inf")
 
     def __len__(self) -> int:
         return len(self._held)
@@ -37,8 +38,13 @@ class Leases:
         if not held:
             return 0
         lease = next(self._ids)
-        self._held[lease] = (self._clock() + lease_s, held)
+        self._last_grant = self._clock()
+        self._held[lease] = (self._last_grant + lease_s, held)
         return lease
+
+    def granted_within(self, seconds: float) -> bool:
+        """Whether a lease still held may have been granted less than `seconds` ago."""
+        return bool(self._held) and self._clock() - self._last_grant < seconds
 
     def give_back(self, lease: int, keys: Iterable[str]) -> list[tuple[str, int]]:
         """Release the named keys of a lease (unknown ones are ignored); `(key, bytes)`

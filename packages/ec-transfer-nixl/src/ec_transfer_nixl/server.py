@@ -10,6 +10,7 @@ It never announces an entry that is not ready.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -42,9 +43,15 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-BUSY_POLL_MS = 1
-"""Poll interval while leases are out: NIXL progresses a peer's READ when polled."""
+READING_PAUSE_S = 0.00005
+READING_FOR_S = 0.5
+"""For this long after a lease is granted, its READ is probably running: NIXL
+completes a READ (and its notification) only as this side polls, so poll
+without waiting. A READ of 64 MB takes tens of milliseconds here."""
+LEASED_POLL_MS = 1
+"""Poll interval while older leases are out (their consumer may be gone)."""
 IDLE_POLL_MS = 50
+ANSWER_TIMES_KEPT = 4096
 
 
 class PeerServer:
@@ -75,6 +82,9 @@ class PeerServer:
         self._lease_s = lease_s
         self.counters = counters
         self.leases = Leases(local.release)
+        self.answer_seconds: collections.deque[float] = collections.deque(maxlen=ANSWER_TIMES_KEPT)
+        """How long the latest lookups took in this thread, from the received message
+        to the sent reply (for benchmarks and debugging; bounded)."""
         self._warnings = RateLimitedWarnings(logger)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -114,7 +124,12 @@ class PeerServer:
         poller.register(socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                timeout = BUSY_POLL_MS if len(self.leases) else IDLE_POLL_MS
+                if not len(self.leases):
+                    timeout = IDLE_POLL_MS
+                elif self.leases.granted_within(READING_FOR_S):
+                    timeout = 0
+                else:
+                    timeout = LEASED_POLL_MS
                 if poller.poll(timeout):
                     while True:
                         try:
@@ -124,12 +139,15 @@ class PeerServer:
                         self._handle(socket, frames)
                 self._take_notifications()
                 self.leases.expire()
+                if timeout == 0:
+                    time.sleep(READING_PAUSE_S)
         finally:
             self.leases.release_all()
             socket.close(0)
             agent.close()
 
     def _handle(self, socket: zmq.Socket[Any], frames: list[bytes]) -> None:
+        began = time.perf_counter()
         routing, *body = frames
         try:
             message = open_frames(body, self._secret)
@@ -140,6 +158,7 @@ class PeerServer:
         if isinstance(message, Lookup):
             reply = self._answer(message)
             socket.send_multipart([routing, *seal(reply, self._secret)])
+            self.answer_seconds.append(time.perf_counter() - began)
         elif isinstance(message, Release):
             self.leases.give_back(message.lease, message.keys)
 

@@ -81,6 +81,8 @@ class NixlRemoteSource:
         self._nbytes = self._region.nbytes
         self._context: zmq.Context[Any] = zmq.Context()
         self._tasks: dict[str, FetchTask] = {}
+        self._fetching: dict[str, FetchTask] = {}
+        """Items being fetched, and the task fetching each (one task per item at a time)."""
         self._negative: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._closed = False
         secret = peers.secret.encode()
@@ -150,14 +152,26 @@ class NixlRemoteSource:
             return not task.done
         if self.fetcher is None or self._closed:
             return False
+        now = time.monotonic()
+        waits = False  # on an item another request's fetch is bringing
+        items: dict[str, ItemFetch] = {}
+        for wanted in missing:
+            other = self._fetching.get(wanted.key)
+            if other is not None:
+                if not other.done:
+                    waits = True
+                    continue
+                del self._fetching[wanted.key]
+            if self._local.state(wanted.key) != "missing":
+                continue  # a save of it is under way here
+            if not self._recently_failed(wanted.key, now):
+                items[wanted.key] = ItemFetch(wanted)
         candidates = list(self._settings.peers)
-        handle_peer = self._handle_peer(request)
+        handle_peer = self._handle_peer(request) if items else None
         if handle_peer is not None and handle_peer not in candidates:
             candidates.insert(0, handle_peer)
-        now = time.monotonic()
-        items = {w.key: ItemFetch(w) for w in missing if not self._recently_failed(w.key, now)}
         if not candidates or not items:
-            return False
+            return waits
         task = FetchTask(
             request_id=request.request_id,
             items=items,
@@ -166,6 +180,8 @@ class NixlRemoteSource:
             deadline=now + self._settings.fetch_timeout_s,
         )
         self._tasks[request.request_id] = task
+        for key in items:
+            self._fetching[key] = task
         self.fetcher.submit(task)
         return True
 

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ec_core import report_channel
 from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, open_region, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.region.mapping import ECSharedRegion
+from ec_core.report_channel import ReportSender
 from ec_core.worker_process.entries import (
     ECCPULoadError,
     PendingSave,
@@ -100,6 +102,14 @@ class ECCPUWorker(WorkerHooks):
         self._failed_saves: list[tuple[int, str]] = []
         self._fallbacks: list[str] = []
         self._closed = False
+        self._side_channel: ReportSender | None = None
+        peers = self.layout.settings.peers
+        if peers is not None and report_channel.needed(
+            vllm_config, listening=peers.listen is not None
+        ):
+            self._side_channel = ReportSender(
+                report_channel.endpoint(self.layout.path), peers.secret.encode()
+            )
         try:
             self._pin_shared_region()
         except BaseException:
@@ -382,6 +392,8 @@ class ECCPUWorker(WorkerHooks):
         report.fallbacks.extend((rank, kind) for kind in self._fallbacks)
         self._failed_saves = []
         self._fallbacks = []
+        if self._side_channel is not None:
+            self._side_channel.send(report)  # vLLM drops it on this engine
         return report
 
     @property
@@ -403,5 +415,7 @@ class ECCPUWorker(WorkerHooks):
             except Exception:
                 logger.exception("EC CPU tier: releasing the transfer backend failed")
         finally:
+            if self._side_channel is not None:
+                self._side_channel.close()
             self._region_bytes = torch.empty(0, dtype=torch.uint8)
             self.region.cleanup()

