@@ -13,7 +13,7 @@ core. The *consumer* measures, side by side in the same run:
   many requests at once (one entry each), calling `ensure_cache_available`
   until none defers (lookup, lease, reservation, NIXL READ, ready); and raw
   NIXL READs of the same sizes and number between two plain agents in the
-  same two processes (each with a completion notification, as a fetch has);
+  same two processes (without a notification, like a fetch's READ);
 * lookup round trip: 1, 8 and 64 concurrent signed lookups of a ready item
   (each answered with a lease, then released), p50 and p99 at the client, and
   the server thread's own time from message in to reply out.
@@ -89,7 +89,7 @@ def _producer(model: str, region: str, address: str, pipe: Any) -> None:
     pipe.send((raw_agent.name, raw_agent.metadata, raw.data_ptr()))
     stop = threading.Event()
 
-    def notifications() -> None:  # the raw READ's target is polled, as the server polls
+    def notifications() -> None:  # progress on the READ's target (TCP needs it)
         while not stop.is_set():
             raw_agent.notifications()
             time.sleep(0.0005)
@@ -180,14 +180,14 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
         return took
 
     def raw_read(mb: int, n: int) -> float:
-        """Seconds for `n` READs of `mb` MB each, started at once, each notifying."""
+        """Seconds for `n` READs of `mb` MB each, started at once (no notification, as
+        a fetch's READ has none)."""
         nbytes = mb * 2**20
         began = time.perf_counter()
         handles = [
             agent.read(
                 peer,
                 [((sink.data_ptr() + j * nbytes, nbytes), (raw_addr + j * nbytes, nbytes))],
-                b"raw",
             )
             for j in range(n)
         ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -181,9 +182,13 @@ class ECCPUScheduler:
         self.counters.hits += 1
         return True
 
-    @_locked
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
+
+        While it defers, vLLM's engine loop runs empty steps back to back and
+        would hold the GIL for the switch interval (5 ms) at a time, so the
+        remote source's thread would progress a fetch only every few
+        milliseconds; a deferral therefore yields the GIL once, outside the lock.
 
         vLLM calls this for a request before looking up its items. An entry
         whose stored row count differs from the item's embedding count (a
@@ -192,6 +197,13 @@ class ECCPUScheduler:
         items this engine does not hold are offered to it; without one, this
         never defers.
         """
+        ready = self._ensure_cache_available(request, num_computed_tokens)
+        if not ready:
+            time.sleep(0)  # let the fetcher thread take the GIL
+        return ready
+
+    @_locked
+    def _ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.is_consumer:
             return True
         missing: list[Wanted] = []

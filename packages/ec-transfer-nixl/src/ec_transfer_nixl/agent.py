@@ -60,7 +60,7 @@ class RegionAgent:
     """A NIXL agent with this engine's region registered as DRAM.
 
     `read` copies from a peer's region into ours (one-sided: the peer's CPU
-    does not copy); the peer learns of the end through the notification.
+    does not copy); the peer learns of the end from the consumer's Release.
     """
 
     def __init__(self, name: str, base: int, nbytes: int) -> None:
@@ -88,8 +88,12 @@ class RegionAgent:
             with contextlib.suppress(Exception):  # a dead peer's agent may refuse
                 self._agent.remove_remote_agent(handle)
 
-    def read(self, peer: str, pieces: Sequence[tuple[Span, Span]], notify: bytes) -> Any:
-        """Start reading `pieces` (`(local, remote)` spans) from `peer`; the transfer handle."""
+    def read(self, peer: str, pieces: Sequence[tuple[Span, Span]], notify: bytes = b"") -> Any:
+        """Start reading `pieces` (`(local, remote)` spans) from `peer`; the transfer handle.
+
+        With an empty `notify` the peer is not notified, and the READ completes
+        without waiting for the peer to poll NIXL (on the same host: one copy by
+        this process)."""
         local = self._agent.get_xfer_descs([(a, n, 0) for (a, n), _ in pieces], "DRAM")
         remote = self._agent.get_xfer_descs([(a, n, 0) for _, (a, n) in pieces], "DRAM")
         handle = self._agent.initialize_xfer("READ", local, remote, peer, notify)

@@ -141,7 +141,7 @@ class Fetcher:
         self._links: dict[PeerAddress, _Link] = {}
         self._pending: dict[int, tuple[PeerAddress, FetchTask]] = {}
         self._tasks: list[FetchTask] = []
-        self._quarantine: list[tuple[Any, str]] = []
+        self._quarantine: list[tuple[Any, str, PeerAddress | None, int]] = []
         self._nonces = itertools.count(1)
         self._warnings = RateLimitedWarnings(logger)
         self._stop = threading.Event()
@@ -347,10 +347,12 @@ class Fetcher:
                 item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
         self._release(link, reply.lease, not_needed)
 
-    def _release(self, link: _Link, lease: int, keys: list[str]) -> None:
+    def _release(self, link: _Link, lease: int, keys: list[str], *, read: bool = False) -> None:
         if not lease or not keys:
             return
-        release = Release(nonce=next(self._nonces), sent_at=time.time(), lease=lease, keys=keys)
+        release = Release(
+            nonce=next(self._nonces), sent_at=time.time(), lease=lease, keys=keys, read=read
+        )
         with contextlib.suppress(zmq.Again):  # else the producer's lease expires by itself
             link.socket.send_multipart(seal(release, self._secret), zmq.NOBLOCK)
 
@@ -377,7 +379,9 @@ class Fetcher:
         try:
             pieces = list(paired_spans(self._spans(runs, nbytes), remote))
             agent = self.agent.know(reply.agent, reply.agent_metadata)
-            item.reading = self.agent.read(agent, pieces, f"{reply.lease}:{wanted.key}".encode())
+            # No NIXL notification: the READ then completes here without waiting for
+            # the producer to poll; the Release sent when it is over unpins the entry.
+            item.reading = self.agent.read(agent, pieces)
         except Exception as exc:
             # Nothing was enqueued (or NIXL refused it at once): the blocks are free.
             self._local.abandon(wanted.key)
@@ -397,6 +401,7 @@ class Fetcher:
             return
         handle, item.reading = item.reading, None
         self.agent.release(handle)
+        self._read_over(item.peer, item.lease, item.wanted.key, read=state == "DONE")
         now = self._clock()
         if state == "DONE" and now <= item.lease_until and self._local.landed(item.wanted.key):
             self.counters.remote_hits += 1
@@ -452,18 +457,26 @@ class Fetcher:
         handle, item.reading = item.reading, None
         if self.agent.release(handle):
             self._local.abandon(item.wanted.key)
+            self._read_over(item.peer, item.lease, item.wanted.key, read=False)
         else:
-            self._quarantine.append((handle, item.wanted.key))
+            self._quarantine.append((handle, item.wanted.key, item.peer, item.lease))
         self._finish(item, "timeout")
 
     def _drain_quarantine(self) -> None:
         still = []
-        for handle, key in self._quarantine:
+        for handle, key, peer, lease in self._quarantine:
             if self.agent.state(handle) == "PROC" or not self.agent.release(handle):
-                still.append((handle, key))
+                still.append((handle, key, peer, lease))
             else:
                 self._local.abandon(key)
+                self._read_over(peer, lease, key, read=False)
         self._quarantine = still
+
+    def _read_over(self, peer: PeerAddress | None, lease: int, key: str, *, read: bool) -> None:
+        """A READ from `peer` will touch its memory no more: give the pin back."""
+        link = self._links.get(peer) if peer is not None else None
+        if link is not None:
+            self._release(link, lease, [key], read=read)
 
     def _finish(self, item: ItemFetch, outcome: str) -> None:
         item.outcome = outcome

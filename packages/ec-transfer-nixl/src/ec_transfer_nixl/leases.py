@@ -2,7 +2,8 @@
 
 Used by the producer's server thread only. A lease is granted per lookup and
 holds one pin per leased key; a key's pin goes when the consumer's READ
-notifies, when the consumer releases it, or when the lease expires.
+is over (the consumer's Release), when the consumer releases it unread, or when
+the lease expires.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ class Leases:
         self._clock = clock
         self._held: dict[int, tuple[float, dict[str, int]]] = {}
         self._ids = itertools.count(1)
-        self._last_grant = float("-inf")
 
     def __len__(self) -> int:
         return len(self._held)
@@ -38,13 +38,8 @@ class Leases:
         if not held:
             return 0
         lease = next(self._ids)
-        self._last_grant = self._clock()
-        self._held[lease] = (self._last_grant + lease_s, held)
+        self._held[lease] = (self._clock() + lease_s, held)
         return lease
-
-    def granted_within(self, seconds: float) -> bool:
-        """Whether a lease still held may have been granted less than `seconds` ago."""
-        return bool(self._held) and self._clock() - self._last_grant < seconds
 
     def give_back(self, lease: int, keys: Iterable[str]) -> list[tuple[str, int]]:
         """Release the named keys of a lease (unknown ones are ignored); `(key, bytes)`

@@ -4,7 +4,7 @@ Runs in the scheduler process, off vLLM's engine loop, so an answer takes a
 lock acquisition and a few dictionary lookups, never an engine step. Per
 lookup it pins the ready entries asked for (a lease), returns the addresses
 of their bytes in this engine's region, and keeps them pinned until the
-consumer's READ notifies, the consumer releases them, or the lease expires.
+consumer releases them (after its READ, or instead of it) or the lease expires.
 It never announces an entry that is not ready.
 """
 
@@ -43,13 +43,11 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-READING_PAUSE_S = 0.00005
-READING_FOR_S = 0.5
-"""For this long after a lease is granted, its READ is probably running: NIXL
-completes a READ (and its notification) only as this side polls, so poll
-without waiting. A READ of 64 MB takes tens of milliseconds here."""
 LEASED_POLL_MS = 1
-"""Poll interval while older leases are out (their consumer may be gone)."""
+"""Poll interval while leases are out. Over a transport where this side must take
+part in a READ (UCX over TCP), NIXL progresses it only as this thread polls; on
+the same host the consumer copies by itself. A sleep in epoll, not a spin: a
+spinning thread would take a core from the engine's OpenMP threads."""
 IDLE_POLL_MS = 50
 ANSWER_TIMES_KEPT = 4096
 
@@ -124,12 +122,7 @@ class PeerServer:
         poller.register(socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not len(self.leases):
-                    timeout = IDLE_POLL_MS
-                elif self.leases.granted_within(READING_FOR_S):
-                    timeout = 0
-                else:
-                    timeout = LEASED_POLL_MS
+                timeout = LEASED_POLL_MS if len(self.leases) else IDLE_POLL_MS
                 if poller.poll(timeout):
                     while True:
                         try:
@@ -137,10 +130,8 @@ class PeerServer:
                         except zmq.Again:
                             break
                         self._handle(socket, frames)
-                self._take_notifications()
+                self.agent.notifications()  # drives NIXL's progress; none are sent
                 self.leases.expire()
-                if timeout == 0:
-                    time.sleep(READING_PAUSE_S)
         finally:
             self.leases.release_all()
             socket.close(0)
@@ -160,7 +151,8 @@ class PeerServer:
             socket.send_multipart([routing, *seal(reply, self._secret)])
             self.answer_seconds.append(time.perf_counter() - began)
         elif isinstance(message, Release):
-            self.leases.give_back(message.lease, message.keys)
+            for _, nbytes in self.leases.give_back(message.lease, message.keys):
+                self.counters.bytes_served += nbytes if message.read else 0
 
     def _answer(self, lookup: Lookup) -> Reply:
         """Lease every ready item of the lookup's shape; the statuses and addresses."""
@@ -193,13 +185,3 @@ class PeerServer:
         reply.lease = self.leases.grant(leased, self._lease_s)
         self.counters.lookups_served += len(leased)
         return reply
-
-    def _take_notifications(self) -> None:
-        """A consumer's READ notifies `lease:key` when it is done: that key's pin goes."""
-        for messages in self.agent.notifications().values():
-            for message in messages:
-                lease_text, _, key = message.decode(errors="replace").partition(":")
-                if not lease_text.isdigit():
-                    continue
-                for _, nbytes in self.leases.give_back(int(lease_text), [key]):
-                    self.counters.bytes_served += nbytes

@@ -44,12 +44,14 @@ class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
 
 
 class Release(msgspec.Struct, array_like=True, tag="release"):
-    """Consumer → producer: the keys of a lease it will not read (or has read)."""
+    """Consumer → producer: the keys of a lease it will not read, or whose READ is over
+    (`read`: it completed, so the bytes were served)."""
 
     nonce: int
     sent_at: float
     lease: int
     keys: list[str]
+    read: bool = False
 
 
 class Reply(msgspec.Struct, array_like=True, tag="reply"):
@@ -57,7 +59,7 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
 
     `status` is INCOMPATIBLE for the whole message when the fingerprints
     differ (then `results` is empty). A leased item stays pinned on the
-    producer until its READ's notification, a Release, or `lease_s` seconds.
+    producer until the consumer's Release or `lease_s` seconds.
     """
 
     nonce: int
