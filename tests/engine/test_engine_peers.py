@@ -90,17 +90,22 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
     assert region_files(tmp_path / "region") == []
 
 
+def _consumer_with_handles(model_dir: str, region: Path, handles: list[Any]) -> dict[str, Any]:
+    """Run an in-process consumer without ec_peers whose requests carry `handles`."""
+    spec = replace(
+        _spec(model_dir, region, "ec_consumer"),
+        multiprocess=False,
+        ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
+    )
+    return run_in_subprocess(spec)
+
+
 def test_request_level_handles_without_ec_peers(
     model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
 ) -> None:
     handles = producer["printed"]["handles"][0]
     assert all(h and h["ec_cpu_tier"]["peer"] == producer["address"] for h in handles)
-    spec = replace(
-        _spec(model_dir, tmp_path / "region", "ec_consumer"),
-        multiprocess=False,
-        ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
-    )
-    result = run_in_subprocess(spec)
+    result = _consumer_with_handles(model_dir, tmp_path / "region", handles)
     assert result["passes"] == [baseline[0]]
     assert result["encoded_items"] == 0
     assert result["counters"]["totals"]["remote_hits"] == 10
@@ -119,12 +124,7 @@ def test_an_encode_only_producer_serves_through_handles(
     with serving(spec) as (_, printed):
         handles = printed["handles"][0]
         assert all(h and h["ec_cpu_tier"]["peer"] == address for h in handles)
-        consumer = replace(
-            _spec(model_dir, tmp_path / "prefill", "ec_consumer"),
-            multiprocess=False,
-            ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
-        )
-        result = run_in_subprocess(consumer)
+        result = _consumer_with_handles(model_dir, tmp_path / "prefill", handles)
     assert result["passes"] == [baseline[0]]
     assert result["encoded_items"] == 0
     assert result["counters"]["totals"]["remote_hits"] == 10 and _fallbacks(result) == {}

@@ -151,8 +151,9 @@ class PeerServer:
             socket.send_multipart([routing, *seal(reply, self._secret)])
             self.answer_seconds.append(time.perf_counter() - began)
         elif isinstance(message, Release):
-            for _, nbytes in self.leases.give_back(message.lease, message.keys):
-                self.counters.bytes_served += nbytes if message.read else 0
+            released = self.leases.give_back(message.lease, message.keys)
+            if message.read:  # the READ is over: those bytes were served
+                self.counters.bytes_served += sum(nbytes for _, nbytes in released)
 
     def _answer(self, lookup: Lookup) -> Reply:
         """Lease every ready item of the lookup's shape; the statuses and addresses."""
