@@ -11,7 +11,8 @@ core. The *consumer* measures, side by side in the same run:
 
 * fetch: a real ECCPUScheduler with `ec_peers` asked by 1 request, then by
   many requests at once (one entry each), calling `ensure_cache_available`
-  until none defers (lookup, lease, reservation, NIXL READ, ready); and raw
+  for each and `build_connector_meta` after each pass, as vLLM's engine loop
+  does, until none defers (lookup, lease, reservation, NIXL READ, ready); and raw
   NIXL READs of the same sizes and number between two plain agents in the
   same two processes (without a notification, like a fetch's READ);
 * lookup round trip: 1, 8 and 64 concurrent signed lookups of a ready item
@@ -139,7 +140,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     from ec_scheduler import ECCPUScheduler
     from ec_transfer_nixl.agent import RegionAgent
     from ec_transfer_nixl.wire import Lookup, Release, Reply, open_frames, seal
-    from ectools.driving import Item, make_request
+    from ectools.driving import Item, make_request, scheduler_output
 
     ours, theirs = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
@@ -165,9 +166,11 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
             requests.append(make_request(f"r{count}", [Item(key, _rows(mb))]))
         began = time.perf_counter()
         waiting = list(requests)
-        while waiting:  # like vLLM's scheduler: deferred requests are asked again
+        empty_step = scheduler_output(0)
+        while waiting:  # like vLLM's engine loop: empty steps while requests are deferred
             waiting = [r for r in waiting if not consumer.ensure_cache_available(r, 0)]
             if waiting:
+                consumer.build_connector_meta(empty_step)
                 time.sleep(0.0001)
         took = time.perf_counter() - began
         for request in requests:
@@ -232,25 +235,34 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)
             for round_ in range(max(repeats * 4, 20)):
-                sent = {}
-                for i, sock in enumerate(sockets):
-                    lookup = Lookup(
-                        round_ * 1000 + i,
-                        time.time(),
-                        consumer.remote.fingerprint,  # type: ignore[union-attr]
-                        [(key, rows, WIDTH)],
+                # Sealed before the clock starts, and the replies read off before they
+                # are checked: the client's own Python work is not the server's latency.
+                sealed = [
+                    seal(
+                        Lookup(
+                            round_ * 1000 + i,
+                            time.time(),
+                            consumer.remote.fingerprint,  # type: ignore[union-attr]
+                            [(key, rows, WIDTH)],
+                        ),
+                        secret,
                     )
-                    sock.send_multipart(seal(lookup, secret))
+                    for i in range(clients)
+                ]
+                sent = {}
+                for sock, frames in zip(sockets, sealed, strict=True):
+                    sock.send_multipart(frames)
                     sent[sock] = time.perf_counter()
-                pending = set(sockets)
-                while pending:
+                replies = {}
+                while len(replies) < clients:
                     for sock, _ in poller.poll(5000):
-                        reply = open_frames(sock.recv_multipart(), secret)
-                        assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
+                        replies[sock] = sock.recv_multipart()
                         samples.append(time.perf_counter() - sent[sock])
-                        release = Release(0, time.time(), reply.lease, [key])
-                        sock.send_multipart(seal(release, secret))
-                        pending.discard(sock)
+                for sock, frames in replies.items():
+                    reply = open_frames(frames, secret)
+                    assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
+                    release = Release(0, time.time(), reply.lease, [key])
+                    sock.send_multipart(seal(release, secret))
             ours.send("answers")
             p50, p99 = _percentiles(samples)
             s50, s99 = _percentiles(ours.recv())

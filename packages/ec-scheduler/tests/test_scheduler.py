@@ -106,7 +106,11 @@ def test_each_dispatch_mints_a_new_transfer_id(make_scheduler: SchedulerFactory)
 
 
 def test_roles(make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixture) -> None:
+    make_scheduler(role="ec_both")
+    assert not any("without ec_peer_listen" in r.getMessage() for r in ec_log.records)
     producer = make_scheduler(role="ec_producer")
+    # vLLM's V1 runner drops an encode-only engine's reports: said at start.
+    assert any("without ec_peer_listen" in r.getMessage() for r in ec_log.records)
     _save_and_report(producer, Item(H))
     assert not producer.has_cache_item(H), "a producer never loads"
     result = StepDriver(producer).step([make_request("r", [Item(H)])])

@@ -3,7 +3,9 @@
 The Fetcher's steps are driven directly: its peers are fake sockets that record
 what it sends, its NIXL agent is a fake whose READs finish only when a rule says
 so (or never), and can refuse to cancel. Replies of every kind arrive in any
-order, late, or never; time jumps. Checked after every rule:
+order, late, or never; time jumps. Several requests' items are asked in one
+Lookup per peer, and the items one Reply leased are read with one READ.
+Checked after every rule:
 
   * a reservation is never freed while a READ into it may still run (the
     quarantine invariant);
@@ -23,7 +25,13 @@ from typing import Any
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
@@ -66,7 +74,8 @@ _now = [1000.0]
 
 @dataclass
 class FakeRead:
-    key: str
+    keys: list[str] = field(default_factory=list)
+    """The items whose blocks the READ writes (set by the model once it started)."""
     state: str = "PROC"
     released: bool = False
 
@@ -77,15 +86,13 @@ class FakeAgent:
     metadata: bytes = b"md"
     reads: list[FakeRead] = field(default_factory=list)
     refuse_cancel: bool = False
-    next_key: str = ""
-    """The item whose READ the fetcher is starting (set by the model)."""
 
     def know(self, agent: str, metadata: bytes) -> str:
         return agent
 
     def read(self, peer: str, pieces: Any, notify: bytes = b"") -> FakeRead:
         assert notify == b"", "a notification would make the READ wait for the producer"
-        handle = FakeRead(self.next_key)
+        handle = FakeRead()
         self.reads.append(handle)
         return handle
 
@@ -132,9 +139,11 @@ class FetchMachine(RuleBasedStateMachine):
         self.fetcher.agent = self.agent  # type: ignore[assignment]
         starting = self.fetcher._start_read
 
-        def start_read(task: Any, item: Any, *rest: Any) -> bool:
-            self.agent.next_key = item.wanted.key  # which key the READ's blocks hold
-            return starting(task, item, *rest)
+        def start_read(*args: Any) -> list[str]:
+            not_read = starting(*args)
+            for group in self.fetcher._reads + self.fetcher._quarantine:
+                group.handle.keys = [item.wanted.key for item in group.items]
+            return not_read
 
         self.fetcher._start_read = start_read  # type: ignore[method-assign]
         self.sockets = {peer: FakeSocket() for peer in PEERS}
@@ -146,6 +155,11 @@ class FetchMachine(RuleBasedStateMachine):
         self.count = 0
 
     # ------------------------------------------------------------- rules
+
+    @initialize(refuse=st.booleans())
+    def nixl_starts_out(self, refuse: bool) -> None:
+        """Half the runs begin with a NIXL that will not cancel a running READ."""
+        self.agent.refuse_cancel = refuse
 
     @rule(
         keys=st.sets(st.sampled_from(KEYS), min_size=1),
@@ -167,7 +181,11 @@ class FetchMachine(RuleBasedStateMachine):
             deadline=_now[0] + FETCH_S,
         )
         self.tasks.append(task)
-        self.fetcher._begin(task)
+        self.fetcher._begin(task)  # its lookups go out at the next pass
+
+    @rule()
+    def a_pass(self) -> None:
+        self.fetcher._tick(_now[0])
 
     @precondition(lambda self: any(self._lookups(p) for p in PEERS))
     @rule(data=st.data())
@@ -209,17 +227,16 @@ class FetchMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.001, 0.02, 0.5, 1.5, 5.0]))
     def time_passes(self, seconds: float) -> None:
         _now[0] += seconds
-        for task in list(self.fetcher._tasks):
-            self.fetcher._progress(task, _now[0])
-        self.fetcher._drain_quarantine()
+        self.fetcher._tick(_now[0])
 
     # -------------------------------------------------------- invariants
 
     @invariant()
     def no_reservation_freed_under_a_running_read(self) -> None:
         for read in self.agent.running():
-            entry = self.allocator.get(read.key)
-            assert entry is not None and not entry.ready, f"blocks of {read.key} freed under a READ"
+            for key in read.keys:
+                entry = self.allocator.get(key)
+                assert entry is not None and not entry.ready, f"blocks of {key} freed under a READ"
 
     @invariant()
     def allocator_consistent(self) -> None:
@@ -238,9 +255,7 @@ class FetchMachine(RuleBasedStateMachine):
         self.agent.refuse_cancel = False
         for _ in range(3):
             _now[0] += FETCH_S + 1
-            for task in list(self.fetcher._tasks):
-                self.fetcher._progress(task, _now[0])
-            self.fetcher._drain_quarantine()
+            self.fetcher._tick(_now[0])
         assert all(t.done for t in self.tasks)
         assert self.fetcher.quarantined == 0
         for task in self.tasks:
@@ -283,3 +298,38 @@ class FetchMachine(RuleBasedStateMachine):
 
 TestFetchProtocol = FetchMachine.TestCase
 TestFetchProtocol.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_a_steps_requests_share_one_lookup_and_one_read_per_peer() -> None:
+    """Three requests handed over in one step: one Lookup per peer for all their items,
+    and the items one Reply leased are read with one READ; all land."""
+    machine = FetchMachine()
+    peer = PEERS[0]
+    tasks = [
+        FetchTask(
+            request_id=f"r{i}",
+            items={key: ItemFetch(Wanted(key, 1, COLS))},
+            candidates=(peer,),
+            lookup_deadline=_now[0] + LOOKUP_S,
+            deadline=_now[0] + FETCH_S,
+        )
+        for i, key in enumerate(KEYS[:3])
+    ]
+    for task in tasks:
+        machine.fetcher._begin(task)
+    assert machine._lookups(peer) == [], "nothing is sent before the pass"
+    machine.fetcher._tick(_now[0])
+    (lookup,) = machine._lookups(peer)
+    assert [key for key, _, _ in lookup.items] == list(KEYS[:3])
+    results = [(key, OK, [(0, rows * cols * ITEMSIZE)]) for key, rows, cols in lookup.items]
+    machine.fetcher._apply(
+        machine.fetcher._links[peer], machine._reply(lookup, status=OK, results=results)
+    )
+    (read,) = machine.agent.reads
+    assert sorted(read.keys) == list(KEYS[:3])
+    read.state = "DONE"
+    machine.fetcher._tick(_now[0])
+    assert all(task.done for task in tasks)
+    assert machine.fetcher.counters.remote_hits == 3
+    (release,) = [m for m in machine.sockets[peer].sent if isinstance(m, Release)]
+    assert release.read and sorted(release.keys) == list(KEYS[:3])

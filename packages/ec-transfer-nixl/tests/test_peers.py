@@ -24,7 +24,13 @@ from ec_core.worker_process.ranks import RankInfo
 from ec_scheduler import ECCPUScheduler
 from ec_worker_cpu.worker import CpuECCPUWorker
 from ectools.configs import make_vllm_config
-from ectools.driving import Item, StepDriver, connector_output, make_request
+from ectools.driving import (
+    Item,
+    StepDriver,
+    connector_output,
+    make_request,
+    scheduler_output,
+)
 
 WIDTH = 128
 SECRET = "a-test-secret-0123"
@@ -77,10 +83,12 @@ class Engine:
             assert entry is not None and entry.ready
 
     def wait_available(self, request: Any) -> float:
-        """Call ensure_cache_available until it stops deferring; the seconds it took."""
+        """Call ensure_cache_available until it stops deferring, with an empty engine step
+        after each deferral (as vLLM runs them); the seconds it took."""
         began = time.monotonic()
         while not self.scheduler.ensure_cache_available(request, 0):
             assert time.monotonic() - began < WAIT_S, "a deferred request was never released"
+            self.scheduler.build_connector_meta(scheduler_output(0))
             time.sleep(0.002)
         return time.monotonic() - began
 

@@ -37,10 +37,15 @@ dropped (the scheduler's settlement then treats those copies as unreported)."""
 
 def needed(vllm_config: Any, *, listening: bool) -> bool:
     """Whether this engine's reports need the side channel (see the module docstring)."""
+    return listening and drops_reports(vllm_config)
+
+
+def drops_reports(vllm_config: Any) -> bool:
+    """Whether vLLM drops this engine's worker reports: an encode-only engine on the
+    V1 model runner. Without the side channel its saves never become ready."""
     ec_config = vllm_config.ec_transfer_config
     encode_only = bool(ec_config.is_ec_producer) and not bool(ec_config.is_ec_consumer)
-    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
-    return listening and encode_only and not v2
+    return encode_only and not bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
 def endpoint(region_path: str | os.PathLike[str]) -> str:

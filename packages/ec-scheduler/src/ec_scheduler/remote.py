@@ -48,8 +48,14 @@ class RemoteSource(Protocol):
 
         True while the request should wait for fetches started now or earlier;
         False once none is in flight for it (fetched items are then ready here,
-        the rest are encoded). Must be cheap and must not block.
+        the rest are encoded). Must be cheap and must not block. Work it starts
+        may wait for the next `step_done`.
         """
+
+    def step_done(self) -> None:
+        """The scheduler thread made this step's decisions (called without the lock,
+        after a step that deferred a request): start what this step's `wants` asked
+        for, together. Must not block."""
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """`ec_transfer_params` for a finished request: handles to this engine's entries."""

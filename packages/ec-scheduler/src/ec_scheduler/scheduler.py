@@ -117,6 +117,8 @@ class ECCPUScheduler:
         self._next_tid = 0
         self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
         self._shut_down = False
+        self._deferred = False
+        """A request was deferred since the last build_connector_meta (see there)."""
         self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
         self._publisher = StatsPublisher()
         self.lock = threading.RLock()
@@ -137,6 +139,14 @@ class ECCPUScheduler:
             )
             self.remote = load_remote_source(vllm_config, self.layout, local)
 
+        serves = settings.peers is not None and settings.peers.listen is not None
+        if not serves and report_channel.drops_reports(vllm_config):
+            logger.warning(
+                "EC CPU tier role ec_producer without ec_peer_listen: on vLLM's V1 model "
+                "runner an encode-only engine never reports its copies, so its entries "
+                "never become ready and serve no one. Set ec_peer_listen (and a secret) "
+                "to serve consumer engines, or use ec_both for a local CPU tier."
+            )
         if self.is_consumer and not self.is_producer and settings.peers is None:
             logger.warning(
                 "EC CPU tier role ec_consumer: this engine never saves, and its region "
@@ -185,11 +195,6 @@ class ECCPUScheduler:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
 
-        While it defers, vLLM's engine loop runs empty steps back to back and
-        would hold the GIL for the switch interval (5 ms) at a time, so the
-        remote source's thread would progress a fetch only every few
-        milliseconds; a deferral therefore yields the GIL once, outside the lock.
-
         vLLM calls this for a request before looking up its items. An entry
         whose stored row count differs from the item's embedding count (a
         client UUID reused for other content) is removed here, so the item is
@@ -199,7 +204,7 @@ class ECCPUScheduler:
         """
         ready = self._ensure_cache_available(request, num_computed_tokens)
         if not ready:
-            time.sleep(0)  # let the fetcher thread take the GIL
+            self._deferred = True
         return ready
 
     @_locked
@@ -336,14 +341,29 @@ class ECCPUScheduler:
 
     # ---------------------------------------------------------- step edge
 
-    @_locked
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
         """Hand this step's saves and loads to the workers and reset them.
 
         The metadata carries the step's number and each save's shape; promises
         vLLM did not take up are released, and copies past the report bound are
         marked overdue.
+
+        After a step that deferred a request, and outside the lock, this tells
+        the remote source the step is over (it starts the step's fetches
+        together: one message per peer) and yields the GIL once: while requests
+        wait, vLLM runs empty steps back to back and would hold the GIL for the
+        switch interval (5 ms) at a time, so the source's thread would progress
+        its fetches only every few milliseconds.
         """
+        meta = self._build_connector_meta(scheduler_output)
+        if self._deferred and self.remote is not None:
+            self._deferred = False
+            self.remote.step_done()
+            time.sleep(0)  # let the remote source's threads take the GIL
+        return meta
+
+    @_locked
+    def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
         self._apply_side_reports()
         self._step += 1
         if self._reaches_workers(scheduler_output):

@@ -2,14 +2,17 @@
 
 Runs in the scheduler process. The scheduler thread hands it one FetchTask
 per request (`submit`) and reads only `task.done`; everything else happens
-here: one Lookup per peer for all the request's items, a reservation of local
-blocks and a NIXL READ per leased item, and the bookkeeping of deadlines.
+here. Each pass of the thread asks every peer, in one Lookup, for all the
+items that the tasks handed over since the last pass want from it (several
+requests of one engine step therefore cost one round trip per peer), and
+reads all the items one Reply leased with one NIXL READ (a ReadGroup), into
+local blocks reserved as not-ready entries.
 
 Every path ends in one of two outcomes per item: *landed* (the entry is ready
 in this engine's region and the workers load it like any other) or *failed*
 with a cause (the request then encodes it). INVARIANT: a reservation whose
-READ may still write is never freed — a READ past the fetch deadline that
-NIXL will not release stays in `_quarantine`, its blocks reserved (not ready,
+READ may still write is never freed — a READ past its deadline that NIXL
+will not release stays in `_quarantine`, its blocks reserved (not ready,
 never loaded), until NIXL reports it finished; only then are they freed.
 """
 
@@ -65,6 +68,9 @@ DOWN_FOR_S = 5.0
 LEASE_MARGIN_S = 1.0
 """A READ that ends later than this before its lease's end is not trusted."""
 CAUSE_ORDER = ("incompatible", "shape", "not_ready", "missing")
+LOOKUP_ITEMS_MAX = 256
+"""Items per Lookup message; more are asked in several (the producer answers each
+under its scheduler's lock, so one message must not hold it long)."""
 
 
 @dataclass(eq=False)
@@ -77,11 +83,7 @@ class ItemFetch:
     retry_at: dict[PeerAddress, float] = field(default_factory=dict)
     heard: set[PeerAddress] = field(default_factory=set)
     """Peers that answered for this item at least once (they are up)."""
-    reading: Any = None
-    peer: PeerAddress | None = None
-    lease: int = 0
-    lease_until: float = 0.0
-    read_started: float = 0.0
+    reading: ReadGroup | None = None
     outcome: str | None = None
     """"landed" or a failure cause; None while undecided."""
 
@@ -96,6 +98,24 @@ class FetchTask:
     lookup_deadline: float
     deadline: float
     done: bool = False
+
+
+@dataclass(eq=False)
+class ReadGroup:
+    """One NIXL READ of the items one Reply leased (of one or several tasks).
+
+    Its items land or fail together. It is given up at `deadline`, the
+    earliest of its tasks' deadlines (tasks asked in one pass have nearly the
+    same), and trusted only if it ends before `lease_until`.
+    """
+
+    handle: Any
+    peer: PeerAddress
+    lease: int
+    items: list[ItemFetch]
+    started: float
+    lease_until: float
+    deadline: float
 
 
 @dataclass
@@ -139,9 +159,13 @@ class Fetcher:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._links: dict[PeerAddress, _Link] = {}
-        self._pending: dict[int, tuple[PeerAddress, FetchTask]] = {}
+        self._pending: dict[int, tuple[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]]]] = {}
+        """Lookup nonce -> the peer asked and the items it was asked for."""
+        self._asks: dict[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]]] = {}
+        """Items to ask each peer for at the end of this pass."""
         self._tasks: list[FetchTask] = []
-        self._quarantine: list[tuple[Any, str, PeerAddress | None, int]] = []
+        self._reads: list[ReadGroup] = []
+        self._quarantine: list[ReadGroup] = []
         self._nonces = itertools.count(1)
         self._warnings = RateLimitedWarnings(logger)
         self._stop = threading.Event()
@@ -158,8 +182,15 @@ class Fetcher:
             raise self._error
 
     def submit(self, task: FetchTask) -> None:
-        """Hand a task to the fetcher thread (never blocks)."""
+        """Hand a task to the fetcher thread (never blocks). It is taken on at the next
+        `kick`, or within IDLE_POLL_MS: waking the thread here would hand it the GIL
+        at the first of a step's tasks, and it would ask for them one by one."""
         self._inbox.put(task)
+
+    def kick(self) -> None:
+        """Wake the thread to take on the tasks submitted so far (never blocks)."""
+        if self._inbox.empty():
+            return
         with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
             self._wake_w.send(b"x")
 
@@ -203,10 +234,7 @@ class Fetcher:
         poller.register(self._wake_r, zmq.POLLIN)
         for link in self._links.values():
             poller.register(link.socket, zmq.POLLIN)
-        reading = bool(self._quarantine) or any(
-            item.reading is not None for task in self._tasks for item in task.items.values()
-        )
-        if reading:
+        if self._reads or self._quarantine:
             events = dict(poller.poll(0))
             if not events:
                 time.sleep(READING_PAUSE_S)
@@ -225,9 +253,19 @@ class Fetcher:
         for link in list(self._links.values()):
             if link.socket in events:
                 self._receive(link)
-        now = self._clock()
+        self._tick(self._clock())
+
+    def _tick(self, now: float) -> None:
+        """One pass over everything open: READs, lookups to send, deadlines, quarantine."""
+        for group in list(self._reads):
+            if now > group.deadline:
+                self._give_up(group)
+            else:
+                self._poll_read(group)
+        self._flush_asks()
         for task in list(self._tasks):
             self._progress(task, now)
+        self._flush_asks()
         self._drain_quarantine()
 
     # ----------------------------------------------------------- lookups
@@ -244,40 +282,50 @@ class Fetcher:
         return link
 
     def _begin(self, task: FetchTask) -> None:
+        """Take a task on; its lookups go out at the end of this pass."""
         self._tasks.append(task)
         self.counters.remote_lookups += len(task.items)
         for peer in task.candidates:
-            self._ask(task, peer, list(task.items.values()))
-        self._progress(task, self._clock())
+            for item in task.items.values():
+                self._queue_ask(peer, task, item)
 
-    def _ask(self, task: FetchTask, peer: PeerAddress, items: list[ItemFetch]) -> None:
+    def _queue_ask(self, peer: PeerAddress, task: FetchTask, item: ItemFetch) -> None:
+        self._asks.setdefault(peer, {})[item.wanted.key] = (task, item)
+
+    def _flush_asks(self) -> None:
+        asks, self._asks = self._asks, {}
+        for peer, wanted in asks.items():
+            entries = [(k, v) for k, v in wanted.items() if v[1].outcome is None]
+            for first in range(0, len(entries), LOOKUP_ITEMS_MAX):
+                self._ask(peer, dict(entries[first : first + LOOKUP_ITEMS_MAX]))
+
+    def _ask(self, peer: PeerAddress, wanted: dict[str, tuple[FetchTask, ItemFetch]]) -> None:
+        """Send one Lookup to `peer` for `wanted` (key -> its task and item)."""
         link = self._link(peer)
         now = self._clock()
-        if link.incompatible:
-            for item in items:
-                item.answers[peer] = "incompatible"
-            return
-        if link.down_until > now:
-            for item in items:
-                item.answers[peer] = "unreachable"
+        if link.incompatible or link.down_until > now:
+            answer = "incompatible" if link.incompatible else "unreachable"
+            for _, item in wanted.values():
+                item.answers[peer] = answer
+                item.retry_at.pop(peer, None)
             return
         nonce = next(self._nonces)
         lookup = Lookup(
             nonce=nonce,
             sent_at=time.time(),
             fingerprint=self._fingerprint,
-            items=[(i.wanted.key, i.wanted.rows, i.wanted.cols) for i in items],
+            items=[(i.wanted.key, i.wanted.rows, i.wanted.cols) for _, i in wanted.values()],
         )
         try:
             link.socket.send_multipart(seal(lookup, self._secret), zmq.NOBLOCK)
         except zmq.Again:
             # Not connected (yet): IMMEDIATE queues nothing for it. Try again soon;
             # at the lookup deadline it counts as unreachable.
-            for item in items:
+            for _, item in wanted.values():
                 item.retry_at[peer] = now + CONNECT_RETRY_S
             return
-        self._pending[nonce] = (peer, task)
-        for item in items:
+        self._pending[nonce] = (peer, wanted)
+        for _, item in wanted.values():
             item.asked.add(peer)
             item.retry_at.pop(peer, None)
             item.answers.pop(peer, None)  # asked (again): its answer is awaited
@@ -313,7 +361,7 @@ class Fetcher:
         if waiting is None:  # an answer that came too late: give its leases back
             self._release(link, reply.lease, [k for k, s, _ in reply.results if s == OK])
             return
-        peer, task = waiting
+        peer, wanted = waiting
         if reply.status == INCOMPATIBLE:
             if not link.incompatible:
                 logger.warning(
@@ -323,28 +371,31 @@ class Fetcher:
                     peer,
                 )
             link.incompatible = True
-            for item in task.items.values():
+            for _, item in wanted.values():
                 item.answers[peer] = "incompatible"
             return
         not_needed: list[str] = []
+        to_read: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]]]] = []
         for key, status, spans in reply.results:
-            found = task.items.get(key)
-            if found is None or found.outcome is not None or found.reading is not None:
+            found = wanted.pop(key, None)  # each key is answered once per lookup
+            if found is None or found[1].outcome is not None or found[1].reading is not None:
                 if status == OK:
                     not_needed.append(key)
                 continue
-            item = found
+            task, item = found
             item.heard.add(peer)
             if status == OK:
-                if task.done or not self._start_read(task, item, peer, reply, spans):
+                if task.done:
                     not_needed.append(key)
                 else:
-                    self._poll_read(item)  # a small READ may be done already
+                    to_read.append((task, item, spans))
             elif status == SAVING:
                 item.answers[peer] = "not_ready"
                 item.retry_at[peer] = self._clock() + SAVING_RETRY_S
             else:
                 item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
+        if to_read:
+            not_needed.extend(self._start_read(peer, reply, to_read))
         self._release(link, reply.lease, not_needed)
 
     def _release(self, link: _Link, lease: int, keys: list[str], *, read: bool = False) -> None:
@@ -360,80 +411,100 @@ class Fetcher:
 
     def _start_read(
         self,
-        task: FetchTask,
-        item: ItemFetch,
         peer: PeerAddress,
         reply: Reply,
-        remote: list[tuple[int, int]],
-    ) -> bool:
-        """Reserve blocks and start the READ; False (nothing held) if it cannot start."""
-        wanted = item.wanted
-        nbytes = wanted.rows * wanted.cols * self._itemsize
-        if sum(n for _, n in remote) != nbytes:
-            item.answers[peer] = "shape"
-            return False
-        runs = self._local.reserve(wanted.key, wanted.rows, wanted.cols)
-        if runs is None:
-            self._finish(item, "no_space")
-            return False
+        leased: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]]]],
+    ) -> list[str]:
+        """Reserve blocks for the leased items and start one READ of them all; the keys
+        not being read (their pins can go back at once)."""
+        not_read: list[str] = []
+        reserved: list[tuple[FetchTask, ItemFetch]] = []
+        pieces: list[tuple[Span, Span]] = []
+        for task, item, remote in leased:
+            wanted = item.wanted
+            nbytes = wanted.rows * wanted.cols * self._itemsize
+            if sum(n for _, n in remote) != nbytes:
+                item.answers[peer] = "shape"
+                not_read.append(wanted.key)
+                continue
+            runs = self._local.reserve(wanted.key, wanted.rows, wanted.cols)
+            if runs is None:
+                self._finish(item, "no_space")
+                not_read.append(wanted.key)
+                continue
+            pieces.extend(paired_spans(self._spans(runs, nbytes), remote))
+            reserved.append((task, item))
+        if not reserved:
+            return not_read
         try:
-            pieces = list(paired_spans(self._spans(runs, nbytes), remote))
             agent = self.agent.know(reply.agent, reply.agent_metadata)
             # No NIXL notification: the READ then completes here without waiting for
-            # the producer to poll; the Release sent when it is over unpins the entry.
-            item.reading = self.agent.read(agent, pieces)
+            # the producer to poll; the Release sent when it is over unpins the entries.
+            handle = self.agent.read(agent, pieces)
         except Exception as exc:
             # Nothing was enqueued (or NIXL refused it at once): the blocks are free.
-            self._local.abandon(wanted.key)
+            for _, item in reserved:
+                self._local.abandon(item.wanted.key)
+                item.answers[peer] = "read_error"
+                not_read.append(item.wanted.key)
             self._warnings.warn("read", "EC CPU tier: a READ from %s failed: %s", peer, exc)
-            item.answers[peer] = "read_error"
-            return False
-        item.peer = peer
-        item.lease = reply.lease
+            return not_read
         now = self._clock()
-        item.read_started = now
-        item.lease_until = now + reply.lease_s - LEASE_MARGIN_S
-        return True
+        group = ReadGroup(
+            handle=handle,
+            peer=peer,
+            lease=reply.lease,
+            items=[item for _, item in reserved],
+            started=now,
+            lease_until=now + reply.lease_s - LEASE_MARGIN_S,
+            deadline=min(task.deadline for task, _ in reserved),
+        )
+        for item in group.items:
+            item.reading = group
+        self._reads.append(group)
+        self._poll_read(group)  # a small READ may be done already
+        return not_read
 
-    def _poll_read(self, item: ItemFetch) -> None:
-        state = self.agent.state(item.reading)
+    def _poll_read(self, group: ReadGroup) -> None:
+        state = self.agent.state(group.handle)
         if state == "PROC":
             return
-        handle, item.reading = item.reading, None
-        self.agent.release(handle)
-        self._read_over(item.peer, item.lease, item.wanted.key, read=state == "DONE")
+        self._reads.remove(group)
+        self.agent.release(group.handle)
+        self._read_over(group, read=state == "DONE")
         now = self._clock()
-        if state == "DONE" and now <= item.lease_until and self._local.landed(item.wanted.key):
-            self.counters.remote_hits += 1
-            self.counters.bytes_fetched += item.wanted.rows * item.wanted.cols * self._itemsize
-            self.counters.fetch_seconds += now - item.read_started
-            self._finish(item, "landed")
-            return
-        self._local.abandon(item.wanted.key)
-        self._finish(item, "read_error")
+        for item in group.items:
+            item.reading = None
+            key = item.wanted.key
+            if state == "DONE" and now <= group.lease_until and self._local.landed(key):
+                self.counters.remote_hits += 1
+                self.counters.bytes_fetched += item.wanted.rows * item.wanted.cols * self._itemsize
+                self.counters.fetch_seconds += now - group.started
+                self._finish(item, "landed")
+            else:
+                self._local.abandon(key)
+                self._finish(item, "read_error")
 
     # --------------------------------------------------------- deadlines
 
     def _progress(self, task: FetchTask, now: float) -> None:
         for item in task.items.values():
-            if item.outcome is not None:
-                continue
-            if item.reading is not None:
-                if now > task.deadline:
-                    self._give_up_read(item)
-                else:
-                    self._poll_read(item)
+            if item.outcome is not None or item.reading is not None:
                 continue
             for peer, when in list(item.retry_at.items()):
                 if when <= now < task.lookup_deadline:
-                    self._ask(task, peer, [item])
-            if item.reading is None and item.outcome is None:
+                    self._queue_ask(peer, task, item)
+            queued = any(item.wanted.key in wanted for wanted in self._asks.values())
+            if not queued:
                 self._decide(task, item, now)
         if all(item.outcome is not None for item in task.items.values()):
             task.done = True
             self._tasks.remove(task)
-            for nonce in [n for n, (_, t) in self._pending.items() if t is task]:
-                del self._pending[nonce]  # late answers release their leases
+            for nonce, (_, wanted) in list(self._pending.items()):
+                for key in task.items:
+                    wanted.pop(key, None)
+                if not wanted:
+                    del self._pending[nonce]  # late answers release their leases
 
     def _decide(self, task: FetchTask, item: ItemFetch, now: float) -> None:
         """Fail an item no peer can still provide; after the lookup deadline, mark the
@@ -453,30 +524,38 @@ class Fetcher:
         cause = next((c for c in CAUSE_ORDER if c in causes), None)
         self._finish(item, cause or "unreachable")
 
-    def _give_up_read(self, item: ItemFetch) -> None:
-        handle, item.reading = item.reading, None
-        if self.agent.release(handle):
-            self._local.abandon(item.wanted.key)
-            self._read_over(item.peer, item.lease, item.wanted.key, read=False)
+    def _give_up(self, group: ReadGroup) -> None:
+        """A READ past its deadline: its items fail; its blocks are freed only once
+        NIXL lets go of it (else quarantined)."""
+        self._reads.remove(group)
+        for item in group.items:
+            item.reading = None
+            self._finish(item, "timeout")
+        if self.agent.release(group.handle):
+            self._free(group)
         else:
-            self._quarantine.append((handle, item.wanted.key, item.peer, item.lease))
-        self._finish(item, "timeout")
+            self._quarantine.append(group)
 
     def _drain_quarantine(self) -> None:
         still = []
-        for handle, key, peer, lease in self._quarantine:
-            if self.agent.state(handle) == "PROC" or not self.agent.release(handle):
-                still.append((handle, key, peer, lease))
+        for group in self._quarantine:
+            if self.agent.state(group.handle) == "PROC" or not self.agent.release(group.handle):
+                still.append(group)
             else:
-                self._local.abandon(key)
-                self._read_over(peer, lease, key, read=False)
+                self._free(group)
         self._quarantine = still
 
-    def _read_over(self, peer: PeerAddress | None, lease: int, key: str, *, read: bool) -> None:
-        """A READ from `peer` will touch its memory no more: give the pin back."""
-        link = self._links.get(peer) if peer is not None else None
+    def _free(self, group: ReadGroup) -> None:
+        """A READ that will write no more and whose items failed: free their blocks."""
+        for item in group.items:
+            self._local.abandon(item.wanted.key)
+        self._read_over(group, read=False)
+
+    def _read_over(self, group: ReadGroup, *, read: bool) -> None:
+        """The group's READ will touch the peer's memory no more: give the pins back."""
+        link = self._links.get(group.peer)
         if link is not None:
-            self._release(link, lease, [key], read=read)
+            self._release(link, group.lease, [item.wanted.key for item in group.items], read=read)
 
     def _finish(self, item: ItemFetch, outcome: str) -> None:
         item.outcome = outcome
@@ -485,11 +564,11 @@ class Fetcher:
             self._on_failed(item.wanted.key, outcome)
 
     def _shutdown(self) -> None:
+        for group in list(self._reads):
+            self._give_up(group)
         for task in self._tasks:
             for item in task.items.values():
-                if item.reading is not None:
-                    self._give_up_read(item)
-                elif item.outcome is None:
+                if item.outcome is None:
                     self._finish(item, "timeout")
             task.done = True
         self._tasks.clear()

@@ -185,6 +185,10 @@ class NixlRemoteSource:
         self.fetcher.submit(task)
         return True
 
+    def step_done(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.kick()
+
     def _handle_peer(self, request: Request) -> PeerAddress | None:
         params = getattr(request, "ec_transfer_params", None)
         handle = params.get(HANDLE_KEY) if isinstance(params, dict) else None
