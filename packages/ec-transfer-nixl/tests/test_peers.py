@@ -231,6 +231,15 @@ def test_an_unreachable_peer_fails_fast_and_is_left_alone(
     assert not consumer.scheduler.allocator.has_held_entries()
 
 
+def test_a_step_that_ends_after_the_consumer_shut_down_does_not_raise(
+    make_engine: Callable[..., Engine],
+) -> None:
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    assert not consumer.scheduler.ensure_cache_available(make_request("r", [Item("i", 4)]), 0)
+    consumer.scheduler.shutdown()  # the fetcher stops with the request's task unread
+    consumer.scheduler.build_connector_meta(scheduler_output(0))  # the step ends: no raise
+
+
 def test_missing_items_and_a_full_consumer_region_fall_back(
     make_engine: Callable[..., Engine],
 ) -> None:

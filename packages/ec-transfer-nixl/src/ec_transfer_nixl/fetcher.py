@@ -189,9 +189,10 @@ class Fetcher:
 
     def kick(self) -> None:
         """Wake the thread to take on the tasks submitted so far (never blocks)."""
-        if self._inbox.empty():
+        if self._inbox.empty() or self._stop.is_set():
             return
-        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
+        # A full pipe: the thread is awake anyway; a closed one: it has stopped.
+        with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
     def stop(self) -> bool:

@@ -186,7 +186,7 @@ class NixlRemoteSource:
         return True
 
     def step_done(self) -> None:
-        if self.fetcher is not None:
+        if self.fetcher is not None and not self._closed:
             self.fetcher.kick()
 
     def _handle_peer(self, request: Request) -> PeerAddress | None:
