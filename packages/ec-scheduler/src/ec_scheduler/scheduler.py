@@ -124,8 +124,9 @@ class ECCPUScheduler:
         self.lock = threading.RLock()
         self.remote: RemoteSource | None = None
         self._side_reports: ReportReceiver | None = None
+        serves = settings.peers is not None and settings.peers.listen is not None
         if settings.peers is not None:
-            if report_channel.needed(vllm_config, listening=settings.peers.listen is not None):
+            if report_channel.needed(vllm_config, listening=serves):
                 self._side_reports = ReportReceiver(
                     report_channel.endpoint(self.layout.path), settings.peers.secret.encode()
                 )
@@ -139,7 +140,6 @@ class ECCPUScheduler:
             )
             self.remote = load_remote_source(vllm_config, self.layout, local)
 
-        serves = settings.peers is not None and settings.peers.listen is not None
         if not serves and report_channel.drops_reports(vllm_config):
             logger.warning(
                 "EC CPU tier role ec_producer without ec_peer_listen: on vLLM's V1 model "

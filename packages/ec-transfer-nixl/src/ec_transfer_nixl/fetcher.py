@@ -78,7 +78,6 @@ class ItemFetch:
     """One item of a task: which peers were asked, and what came of it."""
 
     wanted: Wanted
-    asked: set[PeerAddress] = field(default_factory=set)
     answers: dict[PeerAddress, str] = field(default_factory=dict)
     retry_at: dict[PeerAddress, float] = field(default_factory=dict)
     heard: set[PeerAddress] = field(default_factory=set)
@@ -327,7 +326,6 @@ class Fetcher:
             return
         self._pending[nonce] = (peer, wanted)
         for _, item in wanted.values():
-            item.asked.add(peer)
             item.retry_at.pop(peer, None)
             item.answers.pop(peer, None)  # asked (again): its answer is awaited
 
@@ -494,10 +492,8 @@ class Fetcher:
                 continue
             for peer, when in list(item.retry_at.items()):
                 if when <= now < task.lookup_deadline:
-                    self._queue_ask(peer, task, item)
-            queued = any(item.wanted.key in wanted for wanted in self._asks.values())
-            if not queued:
-                self._decide(task, item, now)
+                    self._queue_ask(peer, task, item)  # still in retry_at: not decided
+            self._decide(task, item, now)
         if all(item.outcome is not None for item in task.items.values()):
             task.done = True
             self._tasks.remove(task)
