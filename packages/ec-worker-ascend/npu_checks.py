@@ -1,13 +1,15 @@
-"""Hardware checks for the Ascend backend (see tools/ectools/device_checks.py).
+"""Hardware checks for the Ascend backend (what they measure: tools/ectools/device_checks.py).
 
-    hatch run ascend:npu-checks [--quick] [--fake]
-    python packages/ec-worker-ascend/npu_checks.py [--quick] [--fake]
+    python packages/ec-worker-ascend/npu_checks.py [--out FILE] [--quick] [--fake]
+    hatch run ascend:npu-checks [--out FILE]
 
-Byte-exact bf16 round trips (16 to 16384 rows x 4096) through the real
-AscendECCPUWorker and real NPU streams; save/load bandwidth for 1, 8, 64 MB
-next to a plain pinned `tensor.copy_`, with the ratio; host registration time;
-one table; exit 1 on any mismatch. Needs vllm-ascend with torch_npu and CANN.
-Without an NPU it says so and exits 0.
+Needs torch_npu with CANN and this repository; nothing is installed. Where vLLM
+is absent it supplies the same labelled stand-ins as the CUDA check; the
+`AscendECCPUWorker`, `NpuRuntime`, host registration, streams, events and the
+batched copy (vllm-ascend's op or `aclrtMemcpyBatchAsync`) stay real. The
+contiguous reference is one `aclrtMemcpyAsync`. Never run on an NPU (none has
+been available to this project): see the package README. Without an NPU it
+says so and exits 0.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import torch
 
-from ec_worker_ascend.runtime import NpuRuntime
-from ec_worker_ascend.worker import AscendECCPUWorker
-from ectools.device_checks import Device, run_checks
+from ectools.device_checks import ContiguousCopy, Device, prepare_imports, run_checks
+
+STANDINS = prepare_imports(Path(__file__).resolve().parents[2])
 
 
 def _npu() -> Any:
@@ -36,16 +38,52 @@ def _available() -> bool:
     return importlib.util.find_spec("torch_npu") is not None and bool(_npu().is_available())
 
 
+def _worker_class() -> type[Any]:
+    from ec_worker_ascend.worker import AscendECCPUWorker
+
+    return AscendECCPUWorker
+
+
+def _runtime() -> tuple[Any, str]:
+    from ec_worker_ascend.runtime import NpuRuntime
+
+    runtime = NpuRuntime()
+    if runtime._batch_op is not None:
+        return runtime, "vllm-ascend swap_blocks_batch"
+    if runtime.has_batch_copy():
+        return runtime, "aclrtMemcpyBatchAsync via ctypes"
+    return runtime, "none: per-run copies only"
+
+
+def _contiguous(runtime: Any) -> tuple[ContiguousCopy, str] | None:
+    from ec_worker_ascend.runtime import ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE
+
+    acl = runtime.acl
+    if acl is None or not acl.has("aclrtMemcpyAsync"):
+        return None
+
+    def copy(dst: int, src: int, nbytes: int, to_device: bool) -> None:
+        kind = ACL_MEMCPY_HOST_TO_DEVICE if to_device else ACL_MEMCPY_DEVICE_TO_HOST
+        stream = int(runtime.current_stream().npu_stream)
+        code = acl.call("aclrtMemcpyAsync", dst, nbytes, src, nbytes, kind, stream)
+        if code != 0:
+            raise RuntimeError(f"aclrtMemcpyAsync returned {code}")
+
+    return copy, "aclrtMemcpyAsync"
+
+
 NPU = Device(
     label="Ascend backend NPU checks",
     register_call="host registration (npuHostRegister/aclrtHostRegisterV2)",
-    worker_class=AscendECCPUWorker,
-    runtime_class=NpuRuntime,
+    worker_class=_worker_class,
+    make_runtime=_runtime,
     available=_available,
     device=lambda: torch.device(f"npu:{_npu().current_device()}"),
     synchronize=lambda: _npu().synchronize(),
     describe=lambda: f"device: {_npu().get_device_name()}",
+    timing_event=lambda: _npu().Event(enable_timing=True),
+    contiguous_copy=_contiguous,
 )
 
 if __name__ == "__main__":
-    sys.exit(run_checks(NPU))
+    sys.exit(run_checks(NPU, standins=STANDINS))

@@ -1,38 +1,75 @@
-"""GPU checks for the CUDA backend (see tools/ectools/device_checks.py).
+"""GPU checks for the CUDA backend (what they measure: tools/ectools/device_checks.py).
 
-    hatch run cuda:gpu-checks [--quick] [--fake]
-    python packages/ec-worker-cuda/gpu_checks.py [--quick] [--fake]
+    python packages/ec-worker-cuda/gpu_checks.py [--out FILE] [--quick] [--fake]
+    hatch run cuda:gpu-checks [--out FILE]
 
-Byte-exact bf16 round trips (16 to 16384 rows x 4096) through the real
-CudaECCPUWorker and real CUDA streams; save/load bandwidth for 1, 8, 64 MB next
-to a plain pinned `tensor.copy_`, with the ratio; `cudaHostRegister` time; one
-table; exit 1 on any mismatch. Needs vLLM for CUDA (vllm==0.33.0). Without a
-GPU it says so and exits 0.
+Needs only torch (with CUDA) and this repository: nothing is installed, nothing
+is fetched. Where vLLM is absent it says so and supplies labelled stand-ins for
+the few vLLM names the worker imports; `CudaECCPUWorker`, `TorchCudaRuntime`,
+`cudaHostRegister`, streams, events and the batched copy stay real. The batched
+copy is vLLM's `swap_blocks_batch` where vLLM is installed, else the driver's
+`cuMemcpyBatchAsync` through ctypes (`ectools.cuda_driver`), handed to the real
+runtime; the table names which. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import torch
 
-from ec_worker_cuda.runtime import TorchCudaRuntime
-from ec_worker_cuda.worker import CudaECCPUWorker
-from ectools.device_checks import Device, run_checks
+from ectools.device_checks import ContiguousCopy, Device, prepare_imports, run_checks
+
+STANDINS = prepare_imports(Path(__file__).resolve().parents[2])
+
+
+def _worker_class() -> type[Any]:
+    from ec_worker_cuda.worker import CudaECCPUWorker
+
+    return CudaECCPUWorker
+
+
+def _runtime() -> tuple[Any, str]:
+    from ec_worker_cuda.runtime import TorchCudaRuntime
+    from ectools import cuda_driver
+
+    runtime = TorchCudaRuntime()
+    if runtime.has_batch_copy():
+        return runtime, "vLLM swap_blocks_batch"
+    op = cuda_driver.batch_op()
+    if op is None:
+        return runtime, "none (no vLLM op, driver < 12.8): per-run copies only"
+    return (
+        TorchCudaRuntime(batch_op=op),
+        "cuMemcpyBatchAsync via ctypes (the check's own op: vLLM's swap_blocks_batch is absent)",
+    )
+
+
+def _contiguous(runtime: Any) -> tuple[ContiguousCopy, str] | None:
+    from ectools import cuda_driver
+
+    copy = cuda_driver.contiguous_copy()
+    if copy is None:
+        return None
+    return (lambda dst, src, nbytes, to_device: copy(dst, src, nbytes)), "cuMemcpyAsync"
+
 
 CUDA = Device(
     label="CUDA backend GPU checks",
     register_call="cudaHostRegister",
-    worker_class=CudaECCPUWorker,
-    runtime_class=TorchCudaRuntime,
+    worker_class=_worker_class,
+    make_runtime=_runtime,
     available=torch.cuda.is_available,
     device=lambda: torch.device("cuda"),
     synchronize=torch.cuda.synchronize,
-    describe=lambda: f"device: {torch.cuda.get_device_name()}",
+    describe=lambda: f"device: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}",
+    timing_event=lambda: torch.cuda.Event(enable_timing=True),
+    contiguous_copy=_contiguous,
 )
 
 if __name__ == "__main__":
-    sys.exit(run_checks(CUDA))
+    sys.exit(run_checks(CUDA, standins=STANDINS))

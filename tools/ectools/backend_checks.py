@@ -64,31 +64,54 @@ def modules_after_import(imports: Sequence[str], watch: Sequence[str]) -> list[s
     return [m for m in out.stdout.strip().split(",") if m]
 
 
-def run_fake_device_checks(script: Path) -> str:
+def run_fake_device_checks(
+    script: Path, *, python: str = sys.executable, out: Path | None = None
+) -> str:
     """Run a backend's hardware-check script on the fake runtime; its stdout.
 
-    The script's whole flow (round trips, bandwidth table, exit code) is thus
-    exercised on a CPU box; on a device host the same script runs for real.
+    The script's whole flow (round trips of every dtype and block order
+    through both paths, throughput, overlap, the injected failure,
+    registration, the table and its exit code) is thus exercised on a CPU
+    box; on a device host the same script runs for real. `python` may be
+    another interpreter (a torch-only venv); `out` is passed as `--out`.
     """
-    out = subprocess.run(
-        [sys.executable, str(script), "--fake", "--quick"],
+    command = [python, str(script), "--fake", "--quick"]
+    if out is not None:
+        command += ["--out", str(out)]
+    done = subprocess.run(
+        command,
         check=False,
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=Path(script).parent,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "OK: 0 mismatch(es)" in out.stdout
-    rows = table_rows(out.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "OK: 0 failed check(s)" in done.stdout
+    rows = table_rows(done.stdout)
     # Content, not layout: the column widths follow the measured figures.
-    for size in (16, 100, 577, 1024):
-        assert rows[f"round trip rows{size}"] == ["bytes", "exact"], rows
+    for dtype in ("bfloat16", "float16", "float32"):
+        for order in ("contiguous", "scrambled"):
+            for path in ("batched", "per-run"):
+                result, detail = rows[f"round trips {dtype} {order} [{path}]"]
+                assert result == "exact" and detail.startswith("4 entries, 16-1024 rows"), rows
     for op in ("save", "load"):
         for mb in (1, 8):
-            worker, plain, ratio = rows[f"{op} {mb} MB"]
-            assert worker.endswith(" GB/s") and plain.endswith(" GB/s"), rows
-            assert float(ratio) > 0
-    return out.stdout
+            for path in ("batched", "per-run"):
+                ours, detail = rows[f"{op} {mb} MB [{path}]"]
+                assert ours.endswith(" GB/s"), rows
+                assert re.fullmatch(
+                    r"\d+\.\d\dx copy_ \(.+ GB/s\), \d+\.\d\dx memmove \(.+ GB/s\)", detail
+                ), detail
+    overlap = [cells for name, cells in rows.items() if name.startswith("overlap: save 16 MB")]
+    assert len(overlap) == 1 and overlap[0][0].endswith("% hidden"), rows
+    result, detail = rows["injected failure in the batched copy"]
+    assert result == "recovered: bytes exact", rows
+    assert detail == "batch_copy raised 2x; fallbacks reported: save 2, load 2", detail
+    for size in ("64 MiB", "256 MiB"):
+        result, detail = rows[f"register {size} region"]
+        assert result.endswith("GB/s)") and detail.startswith("fake register_host;"), rows
+    return done.stdout
 
 
 def table_rows(text: str) -> dict[str, list[str]]:

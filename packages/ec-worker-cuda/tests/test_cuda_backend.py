@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import runpy
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,12 @@ from ectools.backend_checks import (
     check_backend_announcement,
     modules_after_import,
     run_fake_device_checks,
+    table_rows,
 )
 from ectools.configs import make_vllm_config
 from ectools.streamed_contract import *  # noqa: F403  (the shared backend contract)
 from ectools.streamed_contract import Factory, streamed_factory
+from ectools.torch_only_env import make_torch_only_venv
 
 
 @pytest.fixture
@@ -127,6 +132,67 @@ def test_the_backend_announces_itself_for_cuda(monkeypatch: pytest.MonkeyPatch) 
     check_backend_announcement(monkeypatch, "ec_worker_cuda", "cuda")
 
 
+GPU_CHECKS = Path(__file__).resolve().parents[1] / "gpu_checks.py"
+
+
 def test_gpu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:
-    out = run_fake_device_checks(Path(__file__).resolve().parents[1] / "gpu_checks.py")
+    out = run_fake_device_checks(GPU_CHECKS)
     assert "CUDA backend GPU checks (FAKE runtime" in out
+    assert "stand-ins" not in out  # vLLM is installed here: the real names are used
+
+
+def test_gpu_checks_run_in_a_venv_with_torch_and_nothing_else(tmp_path: Path) -> None:
+    """The GPU host has torch and no vLLM, numpy or network: the same command works there."""
+    python = str(make_torch_only_venv(tmp_path / "venv"))
+    probe = subprocess.run(
+        [python, "-c", PROBE], check=True, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert probe.stdout.split() == ["torch", "no-vllm", "no-numpy", "no-transformers", "no-ec_core"]
+    table = tmp_path / "out" / "gpu-checks.txt"
+    out = run_fake_device_checks(GPU_CHECKS, python=python, out=table)
+    assert "vLLM is not installed: using labelled stand-ins (ectools.vllm_standins)" in out
+    for name in ("vllm.logger.init_logger", "ECConnectorWorkerMetadata", "VllmConfig"):
+        assert name in out
+    written = table.read_text()
+    assert written.startswith("CUDA backend GPU checks (FAKE runtime")
+    assert written in out and written.rstrip().endswith("OK: 0 failed check(s)")
+
+
+PROBE = """
+import importlib.util
+print("torch" if importlib.util.find_spec("torch") else "no-torch")
+for name in ("vllm", "numpy", "transformers", "ec_core"):
+    print(name if importlib.util.find_spec(name) else "no-" + name)
+"""
+
+
+def test_gpu_checks_fail_when_a_copy_corrupts_bytes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A check that cannot fail is no check: flip one byte in every batched copy."""
+    from ectools import fake_device
+    from ectools.device_checks import run_checks
+
+    spec = runpy.run_path(str(GPU_CHECKS), run_name="gpu_checks")["CUDA"]
+    honest = fake_device.FakeDeviceRuntime.batch_copy
+
+    def corrupting(self: Any, batch: DescriptorBatch, direction: TransferDirection) -> object:
+        handle = honest(self, batch, direction)
+        _, dst, size = next(iter(batch))
+        self.current.ops.append(lambda: ctypes.memset(dst + size - 1, 0x5A, 1))
+        return handle
+
+    monkeypatch.setattr(fake_device.FakeDeviceRuntime, "batch_copy", corrupting)
+    assert run_checks(spec, ["--fake", "--quick"]) == 1
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["round trips bfloat16 contiguous [batched]"][0] == "MISMATCH"
+    assert rows["round trips float32 scrambled [per-run]"][0] == "exact"
+
+
+def test_the_checks_driver_bindings_need_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ectools import cuda_driver
+
+    assert ctypes.sizeof(cuda_driver.MemcpyAttributes) == 24  # CUmemcpyAttributes in cuda.h
+    monkeypatch.setattr(cuda_driver, "_load", lambda: None)
+    assert cuda_driver.batch_op() is None
+    assert cuda_driver.contiguous_copy() is None

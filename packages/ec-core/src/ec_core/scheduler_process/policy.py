@@ -14,9 +14,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from sortedcontainers import SortedList
+if TYPE_CHECKING:
+    from sortedcontainers import SortedList
 
 
 @runtime_checkable
@@ -164,6 +165,10 @@ class S3LFUPolicy:
         self._in_small: set[str] = set()
         self._small_blocks = 0
         self._small: OrderedDict[str, None] = OrderedDict()  # evictable probationary keys
+        # Imported here: worker processes import this module for the policy
+        # names only (settings), and need no sortedcontainers.
+        from sortedcontainers import SortedList
+
         self._main: SortedList = SortedList()  # (priority, seq, key) of evictable main keys
         self._main_key: dict[str, tuple[float, int]] = {}
         self._ghost: OrderedDict[str, None] = OrderedDict()
