@@ -207,3 +207,67 @@ def test_scheduler_role_by_name_alone_never_imports_a_worker_module(
         print(type(connector).__name__, connector.worker_path, loaded)
     """
     assert _run(code) == "ECCPUTierConnector ec_worker_cpu.worker:CpuECCPUWorker []"
+
+
+# ------------------------------------------------- early configuration checks
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"ec_cpu_bytes": "12 apples"}, r"\['ec_cpu_bytes'\] = '12 apples' is invalid"),
+        ({"ec_cpu_bytes": "1MiB", "ec_eviction_policy": "fifo"}, "ec_eviction_policy"),
+        ({"ec_cpu_bytes": "1MiB", "ec_peers": "not a list"}, "ec_peers"),
+    ],
+)
+def test_a_bad_setting_raises_where_the_config_is_built(
+    tiny_model_dir: str, tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    """The early check raises the engine's own ValueError while vLLM builds the config."""
+    with pytest.raises(ValueError, match=message):
+        make_vllm_config(
+            tiny_model_dir,
+            extra={**extra, "ec_cpu_dir": str(tmp_path)},
+            early_checks=True,
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["ECCPUTierConnector", "CpuECCPUConnector"])
+def test_a_good_config_naming_the_connector_passes_the_early_check(
+    tiny_model_dir: str, tmp_path: Path, name: str
+) -> None:
+    config = make_vllm_config(
+        tiny_model_dir,
+        connector=name,
+        extra={"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)},
+        early_checks=True,
+    )
+    assert config.ec_transfer_config is not None
+    assert config.ec_transfer_config.ec_connector == name
+    assert list(tmp_path.iterdir()) == []  # checking creates nothing
+
+
+def test_the_early_check_leaves_other_connectors_alone(tiny_model_dir: str) -> None:
+    """Another connector's extra config is not ours to judge, even where ours would refuse it."""
+    config = make_vllm_config(
+        tiny_model_dir,
+        connector="ECExampleConnector",
+        extra={"ec_cpu_bytes": "12 apples"},
+        early_checks=True,
+    )
+    assert config.ec_transfer_config is not None
+
+
+def test_the_early_check_is_installed_once() -> None:
+    from vllm.config import VllmConfig
+
+    from ec_scheduler.shell import early_checks
+    from ec_scheduler.shell.plugin import register
+
+    register()
+    wrapped = VllmConfig.__post_init__
+    assert getattr(wrapped, "_ec_cpu_tier_early_checks", False)
+    assert early_checks.install() is False
+    register()
+    assert VllmConfig.__post_init__ is wrapped

@@ -1,0 +1,87 @@
+"""Configuration checks where the user builds vLLM's config, before any engine process starts.
+
+Without them a malformed `ec_connector_extra_config` is first parsed in an
+engine's worker process, some 25 s into start-up, and the user sees vLLM's
+"Engine core initialization failed" while the clear `ValueError` sits in that
+worker's log. vLLM offers a connector no hook in the front-end process, so the
+general plugin (`shell.plugin`, which vLLM loads before it builds a config, in
+the `LLM` constructor and in the CLI parser alike) wraps `VllmConfig.__post_init__`:
+once vLLM's own checks pass, a config whose `ec_transfer_config` names this
+connector is checked as the engine would check it, and the same error is raised
+right there, to the caller.
+
+Guarantees:
+  * only configs naming this connector (its name, a backend's alias, or a module
+    path inside this project's packages) are looked at; every other config is
+    untouched;
+  * what raises here is exactly what the engine would raise later: a
+    `ValueError` from the settings parser (region size, policy, peers, ...) or
+    the `BackendError` naming the package to install; any other surprise is
+    logged at debug level and left for the engine to report;
+  * installing the wrapper twice is a no-op, and a vLLM whose `VllmConfig` has
+    no `__post_init__` is left alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ec_scheduler.shell import backends
+
+_MARK = "_ec_cpu_tier_early_checks"
+_OUR_MODULES = ("ec_scheduler", "ec_worker_", "ec_transfer_")
+
+
+def names_this_connector(ec_config: Any) -> bool:
+    """Whether an `ECTransferConfig` selects this project's connector."""
+    name = getattr(ec_config, "ec_connector", None)
+    if not name:
+        return False
+    module = getattr(ec_config, "ec_connector_module_path", None) or ""
+    if module:
+        return module.startswith(_OUR_MODULES)
+    if name == backends.CONNECTOR_NAME:
+        return True
+    try:
+        return backends.backend_named(name) is not None
+    except backends.BackendError:
+        return False
+
+
+def check(vllm_config: Any) -> None:
+    """Raise now what this connector would raise when the engine builds it (see module doc)."""
+    ec_config = getattr(vllm_config, "ec_transfer_config", None)
+    if ec_config is None or not names_this_connector(ec_config):
+        return
+    from ec_core.layout import region_layout
+
+    try:
+        region_layout(vllm_config)
+        backends.backend_for(backends.current_device_type())
+    except (ValueError, backends.BackendError):
+        raise
+    except Exception as exc:  # not ours to judge here: the engine will report it
+        from ec_core._vllm import get_logger
+
+        get_logger(__name__).debug("EC CPU tier: early configuration check skipped: %r", exc)
+
+
+def install() -> bool:
+    """Wrap `VllmConfig.__post_init__` with `check`; True if this call installed it."""
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return False
+    original = getattr(VllmConfig, "__post_init__", None)
+    if original is None or getattr(original, _MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        check(self)
+
+    setattr(post_init, _MARK, True)
+    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
+    return True
