@@ -66,6 +66,7 @@ def server_command(
     ec_config: dict[str, Any] | None,
     max_num_batched_tokens: int = 32,
     max_num_seqs: int = 4,
+    max_model_len: int = 128,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The command line of one server (`ec_config=None`: without the tier)."""
@@ -82,7 +83,7 @@ def server_command(
         "--dtype",
         "float32",
         "--max-model-len",
-        "128",
+        str(max_model_len),
         "--max-num-batched-tokens",
         str(max_num_batched_tokens),
         "--max-num-seqs",

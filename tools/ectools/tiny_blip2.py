@@ -52,6 +52,18 @@ ranks (vLLM shards attention heads; the default vision tower has one)."""
 HEAVY_VISION = TinyBlip2(image_size=224, patch=16, vision_hidden=384, vision_layers=12)
 """A vision tower that costs real time per image on a CPU (~0.1-0.2 s)."""
 
+REALISTIC = TinyBlip2(
+    image_size=224,
+    patch=16,
+    vision_hidden=384,
+    vision_layers=12,
+    num_query_tokens=128,
+    text_hidden=1024,
+)
+"""HEAVY_VISION with encoder outputs of a real VLM's size: 128 embeddings x 1024 in fp32,
+512 KiB per image (LLaVA-1.5's 576 x 4096 in bf16 is 4.5 MiB; BLIP-2's 32 x 2560 in fp16
+is 160 KiB), with a language model still small enough for 2 cores."""
+
 
 def _train_tokenizer(vocab_size: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
