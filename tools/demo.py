@@ -3,11 +3,15 @@
     hatch run demo [--images N] [--passes P]
 
 Builds a tiny random-weight BLIP-2 whose vision tower is heavy enough to cost
-real time per image on a CPU (offline, no model hub), then runs the same
-repeated-image workload twice — without and with `ECCPUTierConnector`
-(`ec_both`) — each in a fresh engine process, and prints what the tier did.
-vLLM's own encoder cache holds 4 images, so every repeat of an image it has
-forgotten is either encoded again (without) or loaded from the region (with).
+real time per image on a CPU and whose encoder outputs have a real VLM's size
+(`REALISTIC`: 128 x 1024 fp32, 512 KiB per image; offline, no model hub), then
+runs the same repeated-image workload twice — without and with
+`ECCPUTierConnector` (`ec_both`) — each in a fresh engine process, and prints
+what the tier did. vLLM's own encoder cache holds 2 images, so every repeat of
+an image it has forgotten is either encoded again (without) or loaded from the
+region (with). Pass 1 is cold; the repeat passes are timed one by one and the
+speed-up is the ratio of their medians. "Engine start" is measured here, from
+launching the engine process to its first request, for both sides alike.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ectools.engine import EngineSpec, launch
-from ectools.tiny_blip2 import HEAVY_VISION, build_tiny_blip2
+from ectools.tiny_blip2 import REALISTIC, build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +72,7 @@ def run_engine(spec: EngineSpec, label: str, ticker: Ticker) -> dict[str, Any]:
     ticker.say(f"{label}: starting a vLLM CPU engine")
     launched = time.monotonic()
     proc = launch(spec, stderr=subprocess.PIPE)
+    ready_after_launch: float | None = None
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True)
     drain.start()
@@ -76,9 +82,9 @@ def run_engine(spec: EngineSpec, label: str, ticker: Ticker) -> dict[str, Any]:
         if line.startswith("PROGRESS "):
             event = json.loads(line[len("PROGRESS ") :])
             if event["event"] == "ready":
+                ready_after_launch = time.monotonic() - launched
                 ticker.say(
-                    f"{label}: engine ready {time.monotonic() - launched:.1f} s after launch; "
-                    "running pass 1"
+                    f"{label}: engine ready {ready_after_launch:.1f} s after launch; running pass 1"
                 )
             elif event["event"] == "pass":
                 done, total = event["number"], event["of"]
@@ -92,6 +98,7 @@ def run_engine(spec: EngineSpec, label: str, ticker: Ticker) -> dict[str, Any]:
         sys.stderr.write("".join(stderr[-80:]))
         raise SystemExit(f"{label}: the engine failed (exit {proc.returncode})")
     ticker.say(f"{label}: done, engine shut down")
+    result["ready_after_launch_s"] = ready_after_launch
     return result
 
 
@@ -123,7 +130,11 @@ def print_table(
             "-",
             f"{_mib(counters.get('save_bytes', 0))} / {_mib(counters.get('load_bytes', 0))}",
         ),
-        ("engine start", f"{plain['ready_s']:.1f} s", f"{tier['ready_s']:.1f} s"),
+        (
+            "engine start (launch to ready)",
+            f"{plain['ready_after_launch_s']:.1f} s",
+            f"{tier['ready_after_launch_s']:.1f} s",
+        ),
     ]
     for number, (a, b) in enumerate(zip(plain["pass_seconds"], tier["pass_seconds"], strict=True)):
         kind = "cold" if number == 0 else "repeat"
@@ -134,8 +145,9 @@ def print_table(
                 f"{b:.2f} s",
             )
         )
-    total_a, total_b = sum(plain["pass_seconds"][1:]), sum(tier["pass_seconds"][1:])
-    rows.append(("repeat passes, total", f"{total_a:.2f} s", f"{total_b:.2f} s"))
+    median_a = statistics.median(plain["pass_seconds"][1:])
+    median_b = statistics.median(tier["pass_seconds"][1:])
+    rows.append(("repeat pass, median", f"{median_a:.2f} s", f"{median_b:.2f} s"))
     same = plain["passes"] == tier["passes"]
     rows.append(("outputs token-identical", "", "yes" if same else "NO"))
     width = max(len(r[0]) for r in rows)
@@ -143,8 +155,15 @@ def print_table(
     print(f"{'':<{width}}  {'without connector':>20}  {'with ECCPUTierConnector':>24}")
     for name, a, b in rows:
         print(f"{name:<{width}}  {a:>20}  {b:>24}")
-    if total_b > 0:
-        print(f"\nRepeat passes ran {total_a / total_b:.2f}x faster with the CPU tier.")
+    if median_b > 0:
+        spread = sorted(
+            a / b for a, b in zip(plain["pass_seconds"][1:], tier["pass_seconds"][1:], strict=True)
+        )
+        print(
+            f"\nA repeat pass ran {median_a / median_b:.2f}x faster with the CPU tier "
+            f"(ratio of the medians of {len(spread)} repeat passes; pass by pass "
+            f"{spread[0]:.2f}x to {spread[-1]:.2f}x)."
+        )
     print(
         f"Region directory: {region_dir} (left empty by the clean shutdown: "
         f"{'yes' if not list(Path(region_dir).glob('ec_cpu_tier_*')) else 'NO'})"
@@ -158,23 +177,28 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--images", type=int, default=12, help="distinct images (default 12)")
-    parser.add_argument("--passes", type=int, default=3, help="passes over them (default 3)")
-    parser.add_argument("--model-dir", default=str(ROOT / "build" / "demo" / HEAVY_VISION.tag()))
+    parser.add_argument("--passes", type=int, default=5, help="passes over them (default 5)")
+    parser.add_argument("--model-dir", default=str(ROOT / "build" / "demo" / REALISTIC.tag()))
     args = parser.parse_args()
     images = list(range(args.images))
     passes = [images] + [images[::-1] if p % 2 else images for p in range(1, args.passes)]
     with Ticker() as ticker:
+        entry_kib = REALISTIC.num_query_tokens * REALISTIC.text_hidden * 4 // 1024
         ticker.say(
-            f"building the tiny BLIP-2 (vision: {HEAVY_VISION.vision_layers} layers x "
-            f"{HEAVY_VISION.vision_hidden}, {HEAVY_VISION.image_size} px) in {args.model_dir}"
+            f"building the tiny BLIP-2 (vision: {REALISTIC.vision_layers} layers x "
+            f"{REALISTIC.vision_hidden}, {REALISTIC.image_size} px; encoder output "
+            f"{REALISTIC.num_query_tokens} x {REALISTIC.text_hidden} fp32 = {entry_kib} KiB "
+            f"per image) in {args.model_dir}"
         )
-        model_dir = str(build_tiny_blip2(args.model_dir, HEAVY_VISION))
+        model_dir = str(build_tiny_blip2(args.model_dir, REALISTIC))
         region_dir = tempfile.mkdtemp(prefix="ec-demo-region-")
         common: dict[str, Any] = {
             "model_dir": model_dir,
             "passes": passes,
-            "image_size": HEAVY_VISION.image_size,
+            "image_size": REALISTIC.image_size,
             "multiprocess": False,
+            "max_num_batched_tokens": 256,
+            "max_model_len": 256,
         }
         plain = run_engine(EngineSpec(**common), "without connector", ticker)
         tier = run_engine(

@@ -44,6 +44,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 32
     """Also the size of vLLM's own encoder cache (in embeddings)."""
     max_num_seqs: int = 4
+    max_model_len: int = 128
     max_tokens: int = 8
     """Tokens generated per request."""
     corrupt_after_pass: int | None = None
@@ -173,7 +174,7 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         "tokenizer": spec.model_dir,
         "dtype": "float32",
         "enable_prefix_caching": False,
-        "max_model_len": 128,
+        "max_model_len": spec.max_model_len,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.max_num_seqs,
         "limit_mm_per_prompt": {"image": 1},
