@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import serve  # noqa: E402
+import serve
 
 
 def test_chat_sessions_slide_a_window_over_their_images() -> None:
