@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -31,24 +28,11 @@ from ec_core.metadata import ECCPUConnectorMetadata
 from ec_core.worker_process.ranks import RankInfo
 from ec_worker_cpu.worker import CpuECCPUWorker
 from ectools.configs import make_vllm_config
+from ectools.timing import medians_in_turns
 from ectools.tiny_blip2 import TinyBlip2, write_config_only
 
 WIDTH = 4096
 SIZES_MB = (1, 8, 64)
-
-
-def _medians_in_turns(fns: list[Callable[[], None]], repeats: int) -> list[float]:
-    """Median seconds of each function, timed in turns (one warm-up call each), so that a
-    noisy neighbour slows every side alike."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for index, fn in enumerate(fns):
-            began = time.perf_counter()
-            fn()
-            times[index].append(time.perf_counter() - began)
-    return [statistics.median(t) for t in times]
 
 
 def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
@@ -92,7 +76,7 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
     assert torch.equal(loaded["e"], source), "round trip must be byte-exact"
     lines = []
     for op, ours, base in (("save", save, memcpy_save), ("load", load, memcpy_load_fresh)):
-        ours_s, base_s, warm_s = _medians_in_turns([ours, base, memcpy_warm], repeats)
+        ours_s, base_s, warm_s = medians_in_turns([ours, base, memcpy_warm], repeats)
         lines.append(
             f"{mb:>5}MB {op:>5} {nbytes / ours_s / 1e9:>12.2f} {nbytes / base_s / 1e9:>12.2f} "
             f"{base_s / ours_s:>6.2f} {nbytes / warm_s / 1e9:>12.2f} {warm_s / ours_s:>11.2f}"

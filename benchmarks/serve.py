@@ -123,20 +123,7 @@ async def _one(client: Any, model: str, url: str) -> tuple[float, str]:
     first: float | None = None
     text = []
     stream = await client.chat.completions.create(
-        model=model,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": serving.PROMPT},
-                ],
-            }
-        ],
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        stream=True,
-        extra_body={"ignore_eos": True},
+        **serving.chat_body(model, url, MAX_TOKENS), stream=True
     )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content is not None:

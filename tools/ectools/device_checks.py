@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ectools.timing import medians_in_turns
+
 WIDTH = 4096
 ROUND_TRIP_ROWS = (16, 100, 577, 1024, 4096, 9000, 16384)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,24 +153,6 @@ class Table:
 
 def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
-
-
-def _interleaved_medians(
-    fns: Sequence[Callable[[], None]], repeats: int, sync: Callable[[], None]
-) -> list[float]:
-    """Median seconds of each function, timed in turns (one warm-up call each)."""
-    for fn in fns:
-        fn()
-    sync()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for index, fn in enumerate(fns):
-            sync()
-            began = time.perf_counter()
-            fn()
-            sync()
-            times[index].append(time.perf_counter() - began)
-    return [statistics.median(t) for t in times]
 
 
 def _tmpfs_mounts() -> set[str]:
@@ -521,7 +505,7 @@ class Checks:
             copies["save"] += (lambda: memcpy(pinned.data_ptr(), source.data_ptr(), nbytes, False),)
             copies["load"] += (lambda: memcpy(landing.data_ptr(), pinned.data_ptr(), nbytes, True),)
         for op, fns in copies.items():
-            medians = _interleaved_medians(fns, self.repeats, self.sync)
+            medians = medians_in_turns(fns, self.repeats, self.sync)
             ours = medians[0]
             detail = f"{medians[1] / ours:.2f}x copy_ ({_gbps(nbytes, medians[1])})"
             if reference is not None:
@@ -550,13 +534,13 @@ class Checks:
                     for _ in range(count):
                         torch.matmul(a, b, out=c)
 
-                copy_s, one_mm_s = _interleaved_medians(
+                copy_s, one_mm_s = medians_in_turns(
                     (lambda: self.save(worker, {"ov": source}, {"ov": blocks}), lambda: matmuls(1)),
                     self.repeats,
                     self.sync,
                 )
                 count = max(1, round(copy_s / one_mm_s))
-                (mm_s,) = _interleaved_medians((lambda: matmuls(count),), self.repeats, self.sync)
+                (mm_s,) = medians_in_turns((lambda: matmuls(count),), self.repeats, self.sync)
                 walls: list[float] = []
                 mm_together: list[float] = []
                 for _ in range(self.repeats):

@@ -132,8 +132,7 @@ def wait_healthy(
                     del waiting[label]
             except httpx.HTTPError:
                 pass
-        exited = [proc.args for proc in procs if proc.poll() is not None]
-        if exited:
+        if any(proc.poll() is not None for proc in procs):
             raise RuntimeError("a server exited before it was ready")
         if time.monotonic() > deadline:
             raise RuntimeError(f"servers not ready after {timeout_s:.0f} s: {sorted(waiting)}")
@@ -159,35 +158,31 @@ def image_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_body(model: str, image: Any, max_tokens: int) -> dict[str, Any]:
-    """A chat completion with one image part, greedy and of fixed length."""
+def chat_body(model: str, url: str, max_tokens: int) -> dict[str, Any]:
+    """A chat completion with one image part (`url`: see `image_url`), greedy, of fixed
+    length (`ignore_eos`): keyword arguments for the `openai` client's `create`."""
     return {
         "model": model,
         "messages": [
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": image_url(image)}},
+                    {"type": "image_url", "image_url": {"url": url}},
                     {"type": "text", "text": PROMPT},
                 ],
             }
         ],
         "max_tokens": max_tokens,
         "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
     }
 
 
 def ask(client: Any, model: str, image: Any, max_tokens: int = 8) -> tuple[str, float]:
     """One chat completion through the `openai` client: its text and its seconds."""
-    body = chat_body(model, image, max_tokens)
+    body = chat_body(model, image_url(image), max_tokens)
     began = time.perf_counter()
-    response = client.chat.completions.create(
-        model=body["model"],
-        messages=body["messages"],
-        max_tokens=max_tokens,
-        temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )
+    response = client.chat.completions.create(**body)
     return response.choices[0].message.content or "", time.perf_counter() - began
 
 
