@@ -36,6 +36,14 @@ pytestmark = pytest.mark.engine
 SECRET = "engine-test-secret-42"
 ONE_PASS = [TEST_PASSES[0]]
 """The ten images once: what a consumer asks for."""
+PATIENT = {
+    "ec_peer_lookup_timeout_s": 120.0,
+    "ec_peer_fetch_timeout_s": 120.0,
+    "ec_peer_lease_s": 240.0,
+}
+"""Peer deadlines for a consumer whose test expects every answer: with the defaults (1 s
+to look up) a loaded CI machine's slow reply would be an `unreachable` fallback and a
+local encode. Tests that expect no answer keep the defaults."""
 
 
 def _free_port() -> int:
@@ -79,7 +87,7 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
     model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
 ) -> None:
     assert producer["printed"]["passes"] == [baseline[0]]
-    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]])
+    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT)
     assert result["passes"] == [baseline[0]], "token-identical to an engine without the tier"
     assert result["encoded_items"] == 0, "every image came from the producer"
     totals = result["counters"]["totals"]
@@ -93,7 +101,7 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
 def _consumer_with_handles(model_dir: str, region: Path, handles: list[Any]) -> dict[str, Any]:
     """Run an in-process consumer without ec_peers whose requests carry `handles`."""
     spec = replace(
-        _spec(model_dir, region, "ec_consumer"),
+        _spec(model_dir, region, "ec_consumer", **PATIENT),
         multiprocess=False,
         ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
     )
@@ -135,7 +143,7 @@ def test_the_bytes_really_cross_over_nixl(
 ) -> None:
     """Overwrite the producer's region: the consumer's outputs change (runs last)."""
     assert corrupt_regions(producer["region"]) == 1
-    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]])
+    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT)
     assert result["encoded_items"] == 0
     changed = sum(a != b for a, b in zip(result["passes"][0], baseline[0], strict=True))
     assert changed >= 6, f"only {changed} outputs changed"
@@ -204,7 +212,14 @@ def test_two_ec_both_engines_share_one_cache(
     address_a, address_b = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
     a = _spec(model_dir, tmp_path / "a", "ec_both", ec_peer_listen=address_a, ec_peers=[address_b])
     b = replace(
-        _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=address_b, ec_peers=[address_a]),
+        _spec(
+            model_dir,
+            tmp_path / "b",
+            "ec_both",
+            ec_peer_listen=address_b,
+            ec_peers=[address_a],
+            **PATIENT,
+        ),
         multiprocess=False,
     )
     with serving(a) as (_, printed):

@@ -36,6 +36,14 @@ WIDTH = 128
 SECRET = "a-test-secret-0123"
 WAIT_S = 60.0
 """Upper bound for a condition that normally holds within milliseconds (CI slack)."""
+PATIENT = {
+    "ec_peer_lookup_timeout_s": WAIT_S,
+    "ec_peer_fetch_timeout_s": WAIT_S,
+    "ec_peer_lease_s": 2 * WAIT_S,
+}
+"""Peer deadlines for a consumer whose test expects the producer to answer: the
+defaults (1 s to look up) would turn a loaded CI machine's slow reply into an
+`unreachable` fallback. Tests that expect no answer keep the defaults."""
 
 
 def _free_port() -> int:
@@ -134,6 +142,14 @@ def _fallbacks(engine: Engine) -> dict[str, int]:
     }
 
 
+def _wait_for(condition: Callable[[], bool]) -> None:
+    """Wait until `condition()` holds: it depends on another thread's progress."""
+    began = time.monotonic()
+    while not condition():
+        assert time.monotonic() - began < WAIT_S, "the condition never held"
+        time.sleep(0.002)
+
+
 def _wait_unpinned(producer: Engine) -> None:
     """Wait until the producer holds no entry. A consumer's release reaches the
     producer's server thread some time after its READ finished, not at a fixed
@@ -147,7 +163,7 @@ def _wait_unpinned(producer: Engine) -> None:
 def test_a_consumer_fetches_what_a_producer_saved_and_loads_it(
     make_engine: Callable[..., Engine],
 ) -> None:
-    producer, consumer, _ = _pair(make_engine)
+    producer, consumer, _ = _pair(make_engine, **PATIENT)
     items = [Item("img-a", 8), Item("img-b", 5)]
     producer.save(*items)
     request = make_request("r1", items)
@@ -164,8 +180,8 @@ def test_a_consumer_fetches_what_a_producer_saved_and_loads_it(
     assert _fallbacks(consumer) == {}
     served = producer.scheduler.stat_totals()
     assert served["peer_lookups_served"] == 2
-    _wait_unpinned(producer)
-    assert producer.scheduler.stat_totals()["peer_bytes_served"] == (8 + 5) * WIDTH * 4
+    _wait_unpinned(producer)  # the server counts the bytes just after it unpins
+    _wait_for(lambda: producer.scheduler.stat_totals()["peer_bytes_served"] == (8 + 5) * WIDTH * 4)
     # Fetched once, local afterwards: the next request does not wait.
     again = make_request("r2", items)
     assert consumer.scheduler.ensure_cache_available(again, 0)
@@ -174,7 +190,7 @@ def test_a_consumer_fetches_what_a_producer_saved_and_loads_it(
 def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., Engine]) -> None:
     address = f"127.0.0.1:{_free_port()}"
     producer = make_engine("ec_producer", ec_peer_listen=address)
-    consumer = make_engine("ec_consumer")  # a secret, no peers: handles only
+    consumer = make_engine("ec_consumer", **PATIENT)  # a secret, no peers: handles only
     item = Item("img-h", 6)
     producer.save(item)
     finished = make_request("done", [item])
@@ -201,10 +217,11 @@ def test_a_wrong_secret_gets_nothing(
     meta = StepDriver(consumer.scheduler).step([request]).meta
     assert meta.loads == {}, "encoded locally"
     assert _fallbacks(consumer) == {"unreachable": 1}
-    assert producer.scheduler.stat_totals()["peer_requests_denied"] >= 1
+    # The producer drops the unsigned lookup on its own thread, without a reply.
+    _wait_for(lambda: producer.scheduler.stat_totals()["peer_requests_denied"] >= 1)
+    _wait_for(lambda: any("not signed" in r.getMessage() for r in ec_log.records))
     assert producer.scheduler.stat_totals()["peer_lookups_served"] == 0
     assert not producer.scheduler.allocator.has_held_entries(), "no pin for a stranger"
-    assert any("not signed" in r.getMessage() for r in ec_log.records)
     assert any("is not asked for" in r.getMessage() for r in ec_log.records)
 
 
@@ -213,7 +230,7 @@ def test_an_incompatible_peer_is_not_read(
 ) -> None:
     address = f"127.0.0.1:{_free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address, dtype="bfloat16")
-    consumer = make_engine("ec_consumer", ec_peers=[address])
+    consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     producer.save(Item("img-i", 4))
     request = make_request("r", [Item("img-i", 4)])
     consumer.wait_available(request)
@@ -252,7 +269,7 @@ def test_missing_items_and_a_full_consumer_region_fall_back(
 ) -> None:
     address = f"127.0.0.1:{_free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
-    consumer = make_engine("ec_consumer", ec_peers=[address], blocks=8)
+    consumer = make_engine("ec_consumer", ec_peers=[address], blocks=8, **PATIENT)
     producer.save(Item("big", 16))
     consumer.wait_available(make_request("r1", [Item("nowhere", 4)]))
     assert _fallbacks(consumer) == {"missing": 1}
@@ -323,7 +340,7 @@ def test_an_encode_only_producer_whose_reports_vllm_drops_still_serves(
     address = f"127.0.0.1:{_free_port()}"
     producer = make_engine("ec_producer", ec_peer_listen=address)
     producer.drop_reports = True
-    consumer = make_engine("ec_consumer", ec_peers=[address])
+    consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     item = Item("img-encoded", 6)
     producer.run_step(StepDriver(producer.scheduler).step([make_request("save", [item])]).meta)
     request = make_request("r", [item])
