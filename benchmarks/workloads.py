@@ -12,6 +12,29 @@ log-uniformly between 256 and 16 384 rows, independently of popularity.
   image with probability 0.5 and re-sends the conversation's last three
   images; a conversation ends after a turn with probability 0.08.
 
+Shorter traces (`SHORT` requests) of five more families, each aimed at one
+way a policy can lose:
+
+* `sessions`: multi-turn image chat with many sessions live at once: 150
+  live, each turn re-sends the session's last four images (a sliding window)
+  and adds one with probability 0.6; sessions are picked with a Zipf(0.6)
+  skew over their start order (some users type faster) and end after a turn
+  with probability 0.06. Pure recency: an image's past count says little.
+* `bursts`: a popular-image pool (Zipf(0.9) over 400 images, 60 % of
+  requests) plus bursts: a burst picks an image (new with probability 0.7)
+  and asks for it 10-40 times over the next 150-400 requests; up to 8 bursts
+  run at once. The rest are one-off images.
+* `video`: 120 videos of 8-48 frames (a frame's size is its video's, 256-4096
+  rows); a request asks for a clip of 4-16 consecutive frames of a
+  Zipf(1.0)-popular video, frames shared by every clip that covers them.
+* `loop`: a loop over 60 items (whose total is 11 % of the working set) in a
+  fixed order, one request in three; the rest one-off images. At 10 %
+  capacity the loop is slightly larger than the cache: LRU hits nothing in
+  it, a frequency policy keeps most of it.
+* `phase`: the first half is Zipf(1.0) over 600 images; the second half
+  switches to a disjoint hot set (Zipf(1.0) over 600 new images, half the
+  requests) mixed with `sessions`-style recency traffic (the other half).
+
 Capacities are fractions (5 %, 10 %, 20 %) of the trace's working set: the
 total size of its distinct items.
 """
@@ -19,11 +42,13 @@ total size of its distinct items.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 MIN_ROWS = 256
 MAX_ROWS = 16384
 LENGTH = 12_000
+SHORT = 4_000
 ITEMS = 1_200
 
 
@@ -104,8 +129,140 @@ def chat(*, length: int = LENGTH, seed: int = 3, live: int = 40) -> Trace:
     return Trace("chat", keys, _sizes(keys, seed + 100))
 
 
+def _sessions_stream(
+    rng: random.Random, prefix: str, *, live: int, window: int, new_image: float, end: float
+) -> Iterator[list[str]]:
+    """Turns (lists of keys) of many concurrent sliding-window chat sessions."""
+    sessions: list[list[str]] = []
+    started = images = 0
+    skew = [1.0 / (rank + 1) ** 0.6 for rank in range(live)]
+    while True:
+        while len(sessions) < live:
+            sessions.append([])
+            started += 1
+        index = rng.choices(range(live), weights=skew)[0]
+        shown = sessions[index]
+        if not shown or rng.random() < new_image:
+            shown.append(f"{prefix}{images}")
+            images += 1
+        yield shown[-window:]
+        if rng.random() < end:
+            del sessions[index]  # the newest sessions take the slowest ranks
+
+
+def sessions(*, length: int = SHORT, seed: int = 4, live: int = 150) -> Trace:
+    rng = random.Random(seed)
+    keys: list[str] = []
+    turns = _sessions_stream(rng, "s", live=live, window=4, new_image=0.6, end=0.06)
+    while len(keys) < length:
+        keys.extend(next(turns))
+    keys = keys[:length]
+    return Trace("sessions", keys, _sizes(keys, seed + 100))
+
+
+def bursts(*, length: int = SHORT, seed: int = 5) -> Trace:
+    rng = random.Random(seed)
+    pool = _zipf_keys(0.9, length, 400, rng)
+    pending: list[tuple[int, str]] = []  # (position, key) of burst requests to come
+    keys: list[str] = []
+    slots: dict[int, str] = {}
+    news = one_offs = 0
+    for position in range(length):
+        if len(pending) < 8 * 25 and rng.random() < 1 / 60:
+            if rng.random() < 0.7:
+                key = f"burst{news}"
+                news += 1
+            else:
+                key = rng.choice(pool)
+            span = rng.randint(150, 400)
+            pending.extend(
+                (position + rng.randrange(span), key) for _ in range(rng.randint(10, 40))
+            )
+            pending.sort()
+        while pending and pending[0][0] <= position:
+            slots.setdefault(position, pending.pop(0)[1])
+        if position in slots:
+            keys.append(slots.pop(position))
+        elif rng.random() < 0.6 / 0.85:
+            keys.append(pool[position])
+        else:
+            keys.append(f"once{one_offs}")
+            one_offs += 1
+    return Trace("bursts", keys, _sizes(keys, seed + 100))
+
+
+def video(*, length: int = SHORT, seed: int = 6, videos: int = 120) -> Trace:
+    rng = random.Random(seed)
+    frames = [rng.randint(8, 48) for _ in range(videos)]
+    low, high = MIN_ROWS.bit_length() - 1, (MAX_ROWS // 4).bit_length() - 1
+    rows = [int(2 ** rng.uniform(low, high)) for _ in range(videos)]
+    weights = [1.0 / (rank + 1) for rank in range(videos)]
+    keys: list[str] = []
+    while len(keys) < length:
+        v = rng.choices(range(videos), weights=weights)[0]
+        clip = rng.randint(4, 16)
+        first = rng.randrange(max(frames[v] - clip, 0) + 1)
+        keys.extend(f"v{v}f{f}" for f in range(first, min(first + clip, frames[v])))
+    keys = keys[:length]
+    sizes = {key: rows[int(key[1 : key.index("f")])] for key in keys}
+    return Trace("video", keys, sizes)
+
+
+def loop(*, length: int = SHORT, seed: int = 7, items: int = 60) -> Trace:
+    rng = random.Random(seed)
+    keys: list[str] = []
+    position = one_offs = 0
+    while len(keys) < length:
+        if rng.random() < 1 / 3:
+            keys.append(f"loop{position % items}")
+            position += 1
+        else:
+            keys.append(f"once{one_offs}")
+            one_offs += 1
+    sizes = _sizes(keys, seed + 100)
+    # Scale the one-offs so that the loop is 11 % of the working set.
+    loop_rows = sum(size for key, size in sizes.items() if key.startswith("loop"))
+    other_rows = sum(size for key, size in sizes.items() if not key.startswith("loop"))
+    scale = loop_rows * (1 / 0.11 - 1) / other_rows
+    for key in sizes:
+        if not key.startswith("loop"):
+            sizes[key] = max(int(sizes[key] * scale), 1)
+    return Trace("loop", keys, sizes)
+
+
+def phase(*, length: int = SHORT, seed: int = 8) -> Trace:
+    rng = random.Random(seed)
+    half = length // 2
+    keys = _zipf_keys(1.0, half, 600, rng)
+    hot = [f"b{key}" for key in _zipf_keys(1.0, length - half, 600, rng)]
+    turns = _sessions_stream(rng, "p", live=60, window=3, new_image=0.5, end=0.08)
+    turn: list[str] = []
+    for key in hot:
+        if len(keys) >= length:
+            break
+        if rng.random() < 0.5:
+            keys.append(key)
+        else:
+            if not turn:
+                turn = list(next(turns))
+            keys.append(turn.pop(0))
+    keys = keys[:length]
+    return Trace("phase", keys, _sizes(keys, seed + 100))
+
+
 def all_traces() -> list[Trace]:
-    return [zipf(0.8), zipf(1.0), zipf(1.2), zipf_scans(), chat()]
+    return [
+        zipf(0.8),
+        zipf(1.0),
+        zipf(1.2),
+        zipf_scans(),
+        chat(),
+        sessions(),
+        bursts(),
+        video(),
+        loop(),
+        phase(),
+    ]
 
 
 CAPACITIES = (0.05, 0.10, 0.20)

@@ -30,7 +30,7 @@ def test_outputs_are_token_identical_with_the_one_connector_name(
     assert region_files(tmp_path) == [], "a clean shutdown must remove the region file"
     startup = re.findall(
         r"EC CPU tier: connector=ECCPUTierConnector role=ec_both "
-        r"backend=CpuECCPUWorker policy=s3lfu region=(\S+) size=\S+ \S+ "
+        r"backend=CpuECCPUWorker policy=wtinylfu region=(\S+) size=\S+ \S+ "
         r"blocks=(\d+) block_bytes=512",
         result["log"],
     )

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.scheduler_process.policy import POLICIES, LRUPolicy, S3LFUPolicy, make_policy
+from ec_core.scheduler_process.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    LRUPolicy,
+    S3LFUPolicy,
+    WTinyLFUPolicy,
+    make_policy,
+)
 
 
 def _save(alloc: BlockAllocator, key: str, n: int, *, seen: int = 1) -> bool:
@@ -27,7 +34,9 @@ def _hit(alloc: BlockAllocator, key: str) -> None:
 def test_make_policy_knows_every_configured_name() -> None:
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("s3lfu", 100), S3LFUPolicy)
-    assert set(POLICIES) == {"lru", "s3lfu"}
+    assert isinstance(make_policy("wtinylfu", 100), WTinyLFUPolicy)
+    assert set(POLICIES) == {"lru", "s3lfu", "wtinylfu"}
+    assert DEFAULT_POLICY == "wtinylfu"
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         make_policy("fifo")
 
@@ -101,3 +110,46 @@ def test_policy_histories_stay_bounded() -> None:
     for i in range(200_000):
         policy.on_request(f"k{i}")
     assert len(policy._history.counts) <= policy._history.limit
+
+
+def test_wtinylfu_duel_keeps_frequent_main_entries_against_a_one_off() -> None:
+    policy = WTinyLFUPolicy(125, window_fraction=0.01)
+    alloc = BlockAllocator(125, policy)
+    for key in ("a", "b", "c", "d"):
+        assert _save(alloc, key, 25, seen=2)
+        for _ in range(4):
+            _hit(alloc, key)
+    assert _save(alloc, "once", 25, seen=2)  # fills the pool; rarer than the main entries
+    assert next(policy.candidates()) == "once", "it lost its duel: the first victim"
+    assert _save(alloc, "next", 5, seen=2)
+    assert "once" not in alloc, "the candidate lost its duel and left first"
+    assert all(key in alloc for key in "abcd")
+
+
+def test_wtinylfu_window_grows_when_rejected_items_come_back() -> None:
+    """Recency traffic: items pushed out of the window return; the window grows to LRU."""
+    policy = WTinyLFUPolicy(1000, window_fraction=0.01)
+    alloc = BlockAllocator(1000, policy)
+    for i in range(400):
+        for key in (f"img{i}", f"img{i - 5}", f"img{i - 12}"):
+            if i < 12 and key.startswith("img-"):
+                continue
+            alloc.note_request(key)
+            entry = alloc.get(key)
+            if entry is None:
+                if alloc.alloc(key, 40) is not None:
+                    alloc.mark_ready(key)
+            elif entry.evictable:
+                alloc.pin(key)
+                alloc.unpin(key)
+    assert policy.window_share > 0.5
+
+
+def test_wtinylfu_doorkeeper_stops_writing_one_offs() -> None:
+    policy = WTinyLFUPolicy(1000)
+    alloc = BlockAllocator(1000, policy)
+    saved = sum(_save(alloc, f"scan{i}", 10) for i in range(2000))
+    assert policy.first_sighting_payoff < policy.admit_threshold
+    assert saved < 1000
+    alloc.note_request("again")
+    assert _save(alloc, "again", 10), "an item seen before is always saved"

@@ -1,0 +1,216 @@
+"""The default policy's invariants under random use (property and model-based).
+
+Guarded here: a held entry (not ready, or pinned) is never evicted whatever
+the policy ranks; the frequency sketch's memory never grows past its bound
+however many distinct keys it sees; and the policy keeps no bookkeeping for a
+key the allocator removed (beyond its bounded ghost lists).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+from ec_core.scheduler_process import policy as policy_module
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.policy import (
+    DEFAULT_POLICY,
+    FrequencySketch,
+    WTinyLFUPolicy,
+    make_policy,
+)
+
+POOL = 96
+
+
+class DefaultPolicyMachine(RuleBasedStateMachine):
+    """Random requests, saves, readiness, pins and removals against a model.
+
+    The model is, per key, (blocks, ready, pins). After every step the
+    allocator's own invariants hold, every key that vanished was evictable
+    when it vanished, and the policy tracks exactly the allocator's entries
+    (and its ghosts stay within their bounds).
+    """
+
+    keys = Bundle("keys")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = make_policy(DEFAULT_POLICY, POOL)
+        assert isinstance(self.policy, WTinyLFUPolicy)
+        self.alloc = BlockAllocator(POOL, self.policy)
+        self.model: dict[str, tuple[int, bool, int]] = {}
+        self.counter = 0
+
+    @rule(target=keys, n=st.integers(min_value=0, max_value=POOL + 4), seen=st.integers(1, 3))
+    def save(self, n: int, seen: int) -> str:
+        key = f"k{self.counter % 40}" if self.counter % 3 else f"new{self.counter}"
+        self.counter += 1
+        for _ in range(seen):
+            self.alloc.note_request(key)
+        if key in self.model:
+            return key
+        before = dict(self.model)
+        entry = self.alloc.alloc(key, n)
+        for gone in set(before) - {e.key for e in self.alloc}:
+            _, ready, pins = before[gone]
+            assert ready and pins == 0, f"evicted {gone} while held"
+            del self.model[gone]
+        if entry is not None:
+            self.model[key] = (n, False, 0)
+        return key
+
+    @rule(key=keys)
+    def ready(self, key: str) -> None:
+        if key in self.model and not self.model[key][1]:
+            self.alloc.mark_ready(key)
+            self.model[key] = (self.model[key][0], True, 0)
+
+    @rule(key=keys)
+    def pin(self, key: str) -> None:
+        if key in self.model and self.model[key][1]:
+            self.alloc.note_request(key)
+            self.alloc.pin(key)
+            blocks, ready, pins = self.model[key]
+            self.model[key] = (blocks, ready, pins + 1)
+
+    @rule(key=keys)
+    def unpin(self, key: str) -> None:
+        if key in self.model and self.model[key][2] > 0:
+            self.alloc.unpin(key)
+            blocks, ready, pins = self.model[key]
+            self.model[key] = (blocks, ready, pins - 1)
+
+    @rule(key=keys)
+    def remove(self, key: str) -> None:
+        if key not in self.model:
+            return
+        _, ready, pins = self.model[key]
+        if not ready:
+            self.alloc.discard(key)
+        elif pins == 0:
+            self.alloc.drop(key)
+        else:
+            return
+        del self.model[key]
+
+    @invariant()
+    def consistent(self) -> None:
+        self.alloc.check()
+        assert {e.key for e in self.alloc} == set(self.model)
+        policy = self.policy
+        assert set(policy._segment) == set(self.model), "policy leaked or lost a key"
+        assert set(policy._blocks) == set(self.model)
+        evictable = {k for k, (_, ready, pins) in self.model.items() if ready and pins == 0}
+        assert set(policy.candidates()) == evictable
+        assert sum(policy.segment_blocks().values()) == sum(b for b, _, _ in self.model.values())
+        for ghosts in (*policy._ghosts, policy._refused):
+            assert ghosts.blocks <= ghosts.max_blocks and len(ghosts) <= ghosts.max_entries
+        assert policy._trial <= set(self.model), "a trial outlived its entry"
+        assert len(policy.sketch.counters) == policy.sketch.depth * policy.sketch.width
+        assert policy._shadow_used == sum(policy._shadow.values()) <= policy.capacity
+
+
+TestDefaultPolicyMachine = DefaultPolicyMachine.TestCase
+TestDefaultPolicyMachine.settings = settings(
+    max_examples=120, stateful_step_count=60, deadline=None
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(distinct=st.integers(1, 50_000), max_width=st.sampled_from([16, 256, 4096]))
+def test_sketch_memory_is_bounded(distinct: int, max_width: int) -> None:
+    sketch = FrequencySketch(1 << 20, max_width=max_width)
+    bound = sketch.depth * max_width
+    for i in range(distinct):
+        sketch.increment(f"key{i}")
+    sketch.resize(1 << 30)
+    assert len(sketch.counters) <= bound
+    assert all(value <= sketch.cap for value in sketch.counters)
+
+
+def test_sketch_never_undercounts_before_a_reset() -> None:
+    sketch = FrequencySketch(1024)
+    for i in range(500):
+        for _ in range(i % 5 + 1):
+            sketch.increment(f"k{i}")
+    assert sketch.resets == 0
+    assert all(sketch.estimate(f"k{i}") >= min(i % 5 + 1, sketch.cap) for i in range(500))
+
+
+def test_sketch_ages_by_halving() -> None:
+    sketch = FrequencySketch(16)
+    for _ in range(12):
+        sketch.increment("hot")
+    before = sketch.estimate("hot")
+    for i in range(sketch.period):
+        sketch.increment(f"cold{i}")
+    assert sketch.resets >= 1
+    assert sketch.estimate("hot") <= before // 2 + 1
+
+
+def test_policy_state_stays_bounded_over_many_keys() -> None:
+    """Many distinct keys through a small pool: the per-key state is bounded."""
+    policy = WTinyLFUPolicy(1000, max_ghost_entries=256, max_sketch_width=1024)
+    alloc = BlockAllocator(1000, policy)
+    for i in range(20_000):
+        key = f"k{i}"
+        alloc.note_request(key)
+        alloc.note_request(key)
+        entry = alloc.alloc(key, 1 + i % 50)
+        if entry is not None:
+            alloc.mark_ready(key)
+    assert len(policy.sketch.counters) <= policy.sketch.depth * 1024
+    assert policy._shadow_used <= 1000 and len(policy._shadow) <= 1000
+    assert len(policy.tracked_keys()) <= len(alloc) + 3 * 256 + len(policy._shadow)
+    assert policy._trial <= {e.key for e in alloc}
+    alloc.clear()
+    assert not policy._segment and not policy._blocks and not list(policy.candidates())
+
+
+def _policy_lines(policy: WTinyLFUPolicy, alloc: BlockAllocator, keys: list[str]) -> int:
+    """Python lines the policy executes for requests, saves and hits of `keys`."""
+    count = 0
+
+    def tracer(frame: types.FrameType, event: str, arg: object) -> object:
+        nonlocal count
+        if event == "line" and frame.f_code.co_filename == policy_module.__file__:
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        for key in keys:
+            alloc.note_request(key)
+            entry = alloc.get(key)
+            if entry is None:
+                if alloc.alloc(key, 4) is not None:
+                    alloc.mark_ready(key)
+            elif entry.evictable:
+                alloc.pin(key)
+                alloc.unpin(key)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_per_event_cost_does_not_grow_with_entries() -> None:
+    """The same 300 events cost a bounded number of lines on 100 or 20 000 entries."""
+    costs = []
+    for entries in (100, 20_000):
+        policy = WTinyLFUPolicy(entries * 4)
+        alloc = BlockAllocator(entries * 4, policy)
+        for i in range(entries * 2):  # full pool, churned
+            key = f"warm{i}"
+            alloc.note_request(key)
+            alloc.note_request(key)
+            if alloc.alloc(key, 4) is not None:
+                alloc.mark_ready(key)
+        keys = [f"hot{i % 30}" for i in range(300)]
+        costs.append(_policy_lines(policy, alloc, keys))
+    small, big = costs
+    assert big <= 2 * small, costs
