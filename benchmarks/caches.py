@@ -43,7 +43,7 @@ class OursCache:
         if entry is None:
             return None
         self.alloc.mark_ready(key)
-        return entry.block_ids
+        return self.alloc.block_ids(entry)
 
 
 class InTreeCache:

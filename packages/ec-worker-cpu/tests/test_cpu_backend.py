@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.worker_process.ranks import RankInfo
 from ec_scheduler import ECCPUScheduler
 from ec_scheduler.shell.connector import ECCPUTierConnector
-from ec_worker_cpu.worker import CpuECCPUWorker
+from ec_worker_cpu.worker import CpuECCPUWorker, LoadBufferPool, _size_class
 from ectools.backend_checks import check_backend_announcement, modules_after_import
 from ectools.configs import make_vllm_config
 from ectools.driving import Item, StepDriver, make_request, save_meta
@@ -64,11 +67,11 @@ def test_worker_round_trip_is_byte_exact(config: Any) -> None:
 class _FirstBufferFails(CpuECCPUWorker):
     failed = False
 
-    def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
+    def _new_entry_buffer(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         if not self.failed:
             self.failed = True
             raise MemoryError("injected: cannot allocate")
-        return super()._new_device_buffer(nbytes)
+        return super()._new_entry_buffer(shape, dtype)
 
 
 @pytest.mark.parametrize("worker_class", [FailingLoadsWorker, _FirstBufferFails])
@@ -184,5 +187,110 @@ def test_large_entry_round_trip_through_prefaulted_buffers(
         worker.bind(meta)
         worker.start_load_caches(cache, meta)
         assert torch.equal(cache["big"], data)
+    finally:
+        worker.shutdown()
+
+
+# ------------------------------------------------------------ load buffer pool
+
+POOLED = 256 << 10  # pooled by the pools below (a lowered `min_bytes`)
+
+
+def test_pool_recycles_a_buffer_only_after_every_view_is_freed() -> None:
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    first = pool.take(POOLED, torch.bfloat16)
+    rows = first.view(64, -1)
+    part = rows[3:5]  # what vLLM's gather may keep
+    address = first.data_ptr()
+    del first, rows
+    gc.collect()
+    assert pool.lent == 1 and pool.idle_bytes == 0  # `part` still holds the storage
+    other = pool.take(POOLED, torch.bfloat16)
+    assert other.data_ptr() != address and pool.fresh == 2
+    part.fill_(1.0)
+    assert torch.all(part == 1.0)  # the memory is still there and still its own
+    del part
+    gc.collect()
+    assert pool.lent == 1 and pool.idle_bytes > 0
+    again = pool.take(POOLED, torch.bfloat16)
+    assert again.data_ptr() == address and pool.fresh == 2  # recycled
+    assert again.numel() == POOLED // 2 and again.is_contiguous()
+    del other, again
+
+
+def test_pool_keeps_at_most_its_idle_limit() -> None:
+    pool = LoadBufferPool(idle_limit=3 * POOLED, min_bytes=POOLED)
+    buffers = [pool.take(POOLED, torch.uint8) for _ in range(6)]
+    del buffers
+    gc.collect()
+    assert pool.lent == 0 and pool.idle_bytes == 3 * POOLED
+    pool.idle_limit = 0
+    pool.take(POOLED, torch.uint8)  # settles: nothing may stay idle now
+    assert pool.idle_bytes == 0
+
+
+def test_pool_takes_buffers_freed_on_other_threads_and_after_close() -> None:
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    held = [pool.take(POOLED, torch.uint8) for _ in range(4)]
+
+    def free() -> None:
+        held.clear()
+        gc.collect()
+
+    thread = threading.Thread(target=free)
+    thread.start()
+    thread.join()
+    assert pool.lent == 0 and pool.idle_bytes == 4 * _size_class(POOLED)
+    late = pool.take(POOLED, torch.uint8)
+    pool.close()
+    assert pool.idle_bytes == 0
+    del late
+    gc.collect()
+    assert pool.idle_bytes == 0 and pool.lent == 0  # nothing is kept after close
+    assert pool.take(POOLED, torch.uint8).numel() == POOLED  # plain allocations then
+
+
+def test_size_classes_waste_at_most_an_eighth() -> None:
+    for nbytes in (1, 4096, 65537, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 12345, 64 << 20):
+        size = _size_class(nbytes)
+        assert size >= nbytes and size % mmap.PAGESIZE == 0
+        assert size <= max(nbytes * 9 // 8, 16 * mmap.PAGESIZE) + mmap.PAGESIZE
+
+
+class _SmallPooledWorker(CpuECCPUWorker):
+    load_pool_min_bytes = POOLED
+
+
+def test_loads_recycle_the_buffers_of_entries_vllm_freed(config: Any) -> None:
+    """Through the worker: the second load of a freed entry reuses its buffer, while an
+    entry vLLM still holds is never written by a later load."""
+    rows = POOLED // (WIDTH * 4)
+    worker = _SmallPooledWorker(config, rank_info=RankInfo(0, True))
+    try:
+        data = torch.randn(rows, WIDTH)
+        blocks = list(range(rows * WIDTH * 4 // worker.block_size))
+        meta = save_meta({"k": (blocks, data)})
+        worker.bind(meta)
+        worker.save_caches({"k": data}, "k", meta)
+        worker.get_finished()
+        worker.build_connector_worker_meta()
+        load = ECCPUConnectorMetadata(loads={"k": (0, blocks, (rows, WIDTH))})
+        held: dict[str, torch.Tensor] = {}
+        worker.bind(load)
+        worker.start_load_caches(held, load)
+        worker.build_connector_worker_meta()
+        kept = held["k"]
+        kept_address = kept.data_ptr()
+        for _ in range(3):
+            cache: dict[str, torch.Tensor] = {}
+            worker.bind(load)
+            worker.start_load_caches(cache, load)
+            worker.build_connector_worker_meta()
+            assert cache["k"].data_ptr() != kept_address
+            assert torch.equal(cache["k"], data) and torch.equal(kept, data)
+            assert cache["k"].shape == (rows, WIDTH) and cache["k"].dtype == torch.float32
+            del cache
+            gc.collect()
+        assert worker.load_pool.fresh == 2  # one for `kept`, one recycled three times
     finally:
         worker.shutdown()

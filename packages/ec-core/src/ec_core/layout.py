@@ -82,8 +82,14 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
     )
 
 
-def open_region(layout: RegionLayout) -> ECSharedRegion:
-    """Create or join the region `layout` describes."""
+def open_region(layout: RegionLayout, *, background_reserve: bool = False) -> ECSharedRegion:
+    """Create or join the region `layout` describes.
+
+    `background_reserve` asks for the background reservation (see
+    `ECSharedRegion`); it is ignored, and every page reserved before this
+    returns, when cross-engine peers are configured, since NIXL registers
+    the whole region with the engine's agent.
+    """
     return ECSharedRegion(
         layout.engine_id,
         layout.num_blocks,
@@ -91,6 +97,7 @@ def open_region(layout: RegionLayout) -> ECSharedRegion:
         directory=layout.settings.region_dir,
         open_timeout_s=layout.settings.open_timeout_s,
         owner=layout.owner,
+        background_reserve=background_reserve and layout.settings.peers is None,
     )
 
 

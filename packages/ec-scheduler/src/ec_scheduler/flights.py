@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -81,22 +81,30 @@ class Flights:
     def __bool__(self) -> bool:
         return bool(self.saves or self.loads)
 
-    def start_save(self, key: str, step: int, worker_step: int) -> SaveFlight:
-        flight = SaveFlight(key, step, worker_step, self.clock())
-        self.saves[key] = flight
-        self._track(flight)
-        return flight
-
-    def start_load(self, key: str, tid: int, step: int, worker_step: int) -> LoadFlight:
-        flight = LoadFlight(key, tid, step, worker_step, self.clock())
-        self.loads[tid] = flight
-        self._track(flight)
-        return flight
-
-    def _track(self, flight: Flight) -> None:
-        self._by_step.append(flight)
-        self._awaited.append(flight)
-        self.num_awaited += 1
+    def start_step(
+        self,
+        saves: Collection[str],
+        loads: Mapping[str, tuple[int, object, object]],
+        step: int,
+        worker_step: int,
+    ) -> None:
+        """Put one step's copies in flight, all started now: a save per key of
+        `saves` (replacing an earlier record of that key), then a load per item
+        of `loads` (key to `(tid, ...)`, as in the metadata)."""
+        now = self.clock()
+        by_step, awaited = self._by_step, self._awaited
+        flight: Flight
+        for key in saves:
+            flight = SaveFlight(key, step, worker_step, now)
+            self.saves[key] = flight
+            by_step.append(flight)
+            awaited.append(flight)
+        for key, (tid, _, _) in loads.items():
+            flight = LoadFlight(key, tid, step, worker_step, now)
+            self.loads[tid] = flight
+            by_step.append(flight)
+            awaited.append(flight)
+        self.num_awaited += len(saves) + len(loads)
 
     def finish(self, flight: Flight) -> None:
         """Forget a flight that settled (its deque records are dropped lazily)."""

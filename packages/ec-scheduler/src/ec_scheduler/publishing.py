@@ -48,7 +48,7 @@ def stat_totals(
         for rank, count in per_rank.items():
             totals[labelled_key("rank_copies", op, rank)] = count
     totals["region_blocks"] = allocator.num_blocks
-    totals["region_used_blocks"] = allocator.num_blocks - allocator.num_free_blocks
+    totals["region_used_blocks"] = allocator.num_reserved_blocks - allocator.num_free_blocks
     totals["region_entries"] = len(allocator)
     totals["region_held_entries"] = allocator.num_held_entries
     return totals

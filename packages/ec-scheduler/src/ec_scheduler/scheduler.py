@@ -23,6 +23,7 @@ from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.region.reservation import RegionReservation
 from ec_core.report_channel import ReportReceiver
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.policy import make_policy
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+
+_RESERVATION_POLL_S = 0.005
+"""How often a step looks at the region's reservation watermark while it moves."""
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -78,7 +82,13 @@ class ECCPUScheduler:
         take too (through `LocalEntries`).
     """
 
-    def __init__(self, vllm_config: VllmConfig, layout: RegionLayout | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        layout: RegionLayout | None = None,
+        *,
+        follow_reservation: bool = False,
+    ) -> None:
         ec_config = vllm_config.ec_transfer_config
         if ec_config is None:
             raise ValueError("ECCPUScheduler needs an ec_transfer_config")
@@ -93,7 +103,23 @@ class ECCPUScheduler:
             self.layout.num_blocks,
             make_policy(settings.policy, self.layout.num_blocks),
             on_evict=self._on_evict,
+            reserved=0 if follow_reservation else None,
         )
+        # With follow_reservation (what the connector shell passes) the allocator
+        # hands out only blocks the region's creator has reserved so far
+        # (`ec_core.region.reservation`); without it (tests and tools that run
+        # no workers) the whole pool counts as reserved.
+        self._reservation: RegionReservation | None = None
+        self._reservation_due = 0.0
+        if follow_reservation:
+            self._reservation = RegionReservation(
+                self.layout.path,
+                self.layout.num_blocks,
+                self.layout.block_size_bytes,
+                engine_id=self.layout.engine_id,
+                owner=self.layout.owner,
+            )
+            self._follow_reservation()
         self.settlement = Settlement(
             self.allocator,
             self.counters,
@@ -192,6 +218,7 @@ class ECCPUScheduler:
         self.counters.hits += 1
         return True
 
+    @_locked
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
 
@@ -202,33 +229,35 @@ class ECCPUScheduler:
         items this engine does not hold are offered to it; without one, this
         never defers.
         """
-        ready = self._ensure_cache_available(request, num_computed_tokens)
-        if not ready:
-            self._deferred = True
-        return ready
-
-    @_locked
-    def _ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.is_consumer:
             return True
+        entries = self.allocator.get
+        remote = self.remote
         missing: list[Wanted] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            rows = position.get_num_embeds()
-            entry = self.allocator.get(feature.identifier)
+            entry = entries(feature.identifier)
             if entry is not None and entry.ready and entry.shape is not None:
+                rows = position.get_num_embeds()
                 if entry.shape[0] == rows:
                     continue
                 self._retire_stale(entry, rows, request.request_id)
-            if rows > 0:  # absent, or not ready yet: its save or fetch is under way
-                missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
-        if self.remote is None:
+            elif remote is None:
+                continue  # nothing to ask for, and nothing stale to retire
+            if remote is not None:
+                rows = position.get_num_embeds()
+                if rows > 0:  # absent, or not ready yet: its save or fetch is under way
+                    missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
+        if remote is None:
             return True
         # Asked even with nothing missing: items being fetched for this request are
         # reserved here (not ready), and the request waits until they land.
-        return not self.remote.wants(request, missing)
+        if remote.wants(request, missing):
+            self._deferred = True
+            return False
+        return True
 
     def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
         logger.warning(
@@ -278,7 +307,7 @@ class ECCPUScheduler:
         self._promised.discard(key)  # its pin now belongs to the load
         tid = self._next_tid
         self._next_tid += 1
-        self._pending_loads[key] = (tid, entry.block_ids, entry.shape)
+        self._pending_loads[key] = (tid, self.allocator.block_ids(entry), entry.shape)
         self.counters.loads_dispatched += 1
         self.counters.load_rows += entry.shape[0]
         self.counters.load_bytes += entry.shape[0] * entry.shape[1] * self._itemsize
@@ -333,7 +362,7 @@ class ECCPUScheduler:
             else:
                 self.counters.saves_skipped_full += 1
             return
-        self._pending_saves[key] = entry.block_ids
+        self._pending_saves[key] = self.allocator.block_ids(entry)
         self._pending_shapes[key] = (rows, width)
         self.counters.saves_dispatched += 1
         self.counters.save_rows += rows
@@ -364,6 +393,8 @@ class ECCPUScheduler:
 
     @_locked
     def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
+        if self._reservation is not None:
+            self._follow_reservation()
         self._apply_side_reports()
         self._step += 1
         if self._reaches_workers(scheduler_output):
@@ -377,10 +408,7 @@ class ECCPUScheduler:
             step=self._step,
             save_shapes=self._pending_shapes,
         )
-        for key in meta.saves:
-            self.settlement.start_save(key, self._step, self._worker_step)
-        for key, (tid, _, _) in meta.loads.items():
-            self.settlement.start_load(key, tid, self._step, self._worker_step)
+        self.settlement.start_step(meta, self._worker_step)
         self._pending_saves = {}
         self._pending_shapes = {}
         self._pending_loads = {}
@@ -468,6 +496,18 @@ class ECCPUScheduler:
         """
         return self._publisher.changes(self.stat_totals())
 
+    def _follow_reservation(self) -> None:
+        """Give the allocator the blocks reserved since the last look (at most every
+        `_RESERVATION_POLL_S`); stop looking once the watermark is final."""
+        reservation = self._reservation
+        now = time.monotonic()
+        if reservation is None or now < self._reservation_due:
+            return
+        self._reservation_due = now + _RESERVATION_POLL_S
+        self.allocator.extend_reserved(reservation.poll())
+        if reservation.final:
+            self._reservation = None
+
     def _on_evict(self, entry: Entry) -> None:
         self.counters.evictions += 1
         self.counters.evicted_blocks += entry.num_blocks
@@ -482,6 +522,9 @@ class ECCPUScheduler:
             self.remote.shutdown()  # stops its threads before the state goes
         if self._side_reports is not None:
             self._side_reports.close()
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
         self.is_producer = self.is_consumer = False
         self._pending_saves = {}
         self._pending_shapes = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ec_core._vllm import get_logger
-from ec_core.metadata import ECCPUWorkerReport
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.counters import SchedulerCounters
@@ -62,11 +62,9 @@ class Settlement:
 
     # -------------------------------------------------------------- dispatch
 
-    def start_save(self, key: str, step: int, worker_step: int) -> None:
-        self.flights.start_save(key, step, worker_step)
-
-    def start_load(self, key: str, tid: int, step: int, worker_step: int) -> None:
-        self.flights.start_load(key, tid, step, worker_step)
+    def start_step(self, meta: ECCPUConnectorMetadata, worker_step: int) -> None:
+        """Every save and load of `meta` is in flight from now on."""
+        self.flights.start_step(meta.saves, meta.loads, meta.step, worker_step)
 
     @property
     def awaiting_reports(self) -> bool:

@@ -3,14 +3,25 @@
 Encoder outputs are host tensors, so a copy is a plain `memcpy` between the
 region and the encoder cache: no pinning, no streams, and every batch has
 landed when `_submit_transfer` returns.
+
+A loaded entry is copied into a buffer of its own that vLLM then owns. Fresh
+memory faults on every page the copy touches, which costs about as much as
+the copy itself (far more on some virtual machines). glibc reuses warm heap
+memory below 32 MiB, but maps every larger allocation fresh, so large loads
+land in `LoadBufferPool` buffers: recycled only after vLLM has let go of every
+tensor over them, and pre-faulted when they must be fresh.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
+import threading
 import time
+import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -22,35 +33,187 @@ from ec_core.worker_process.transfer import (
 )
 from ec_core.worker_process.worker import ECCPUWorker
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from ec_core.layout import RegionLayout
+    from ec_core.worker_process.ranks import RankInfo
+
 _memmove = ctypes.memmove
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+_PAGE = mmap.PAGESIZE
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PREFAULT_MIN_BYTES = 32 << 20
-"""From this size on a fresh load buffer is pre-faulted before the copy. glibc
-serves every allocation this large with a fresh mapping (32 MiB is the cap of
-its dynamic mmap threshold); smaller ones usually reuse warm heap memory."""
+"""From this size on glibc serves every allocation with a fresh mapping (32 MiB
+is the cap of its dynamic mmap threshold), which faults on every page; smaller
+ones usually reuse warm heap memory of an entry freed before. So loads this
+large are pooled, and a fresh pooled buffer is pre-faulted."""
+
+
+def _size_class(nbytes: int) -> int:
+    """The buffer size `nbytes` is served from: whole pages, at most 1/8 above `nbytes`
+    (so entries of nearly the same size share buffers)."""
+    pages = -(-nbytes // _PAGE)
+    if pages > 16:
+        step = 1 << (pages.bit_length() - 4)
+        pages = -(-pages // step) * step
+    return pages * _PAGE
 
 
 def _prefault(buffer: torch.Tensor) -> None:
     """Back `buffer` with (huge) pages in two system calls instead of one fault per page.
 
-    A loaded entry lands in freshly allocated memory, where a plain copy pays a
-    page fault every 4 KiB; for large entries that, not the copy, is the cost.
-    Both advices are hints: where the kernel refuses them, the copy just
-    faults as usual.
+    Fresh memory costs a page fault every 4 KiB on its first write; for large
+    buffers that, not the copy, is the cost. Both advices are hints: where the
+    kernel refuses them, the copy just faults as usual.
     """
-    start = (buffer.data_ptr() + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)
-    end = (buffer.data_ptr() + buffer.numel()) & ~(mmap.PAGESIZE - 1)
+    start = (buffer.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
+    end = (buffer.data_ptr() + buffer.numel()) & ~(_PAGE - 1)
     if end > start:
         _libc.madvise(start, end - start, _MADV_HUGEPAGE)
         _libc.madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
+class _Buffer:
+    """One pooled buffer: its memory (a uint8 tensor) and a buffer-protocol window on it."""
+
+    __slots__ = ("memory", "size", "window")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.memory = torch.empty(size, dtype=torch.uint8)
+        if size >= _PREFAULT_MIN_BYTES:
+            _prefault(self.memory)
+        self.window = (ctypes.c_char * size).from_address(self.memory.data_ptr())
+
+
+class LoadBufferPool:
+    """Host buffers for loaded entries, recycled once nothing refers to them any more.
+
+    Guarantees:
+      * `take` returns a contiguous 1-D tensor in memory no live tensor shares:
+        every tensor it hands out is built (`torch.frombuffer`) over a
+        memoryview of its own, the tensor's storage holds that memoryview, and
+        a buffer comes back to the pool only when the memoryview dies, that is
+        when the storage (every view, slice or alias vLLM made of the entry)
+        has been freed; until then the pool holds the buffer's memory alive;
+      * at most `idle_limit` bytes wait in the pool between loads (the oldest
+        idle buffers are freed first); a buffer that does not fit is freed as
+        soon as its entry is;
+      * a buffer freed on another thread, or while `take` runs, is only queued;
+        it is never handed out twice and never waits on a lock;
+      * after `close` nothing is kept: idle buffers are freed at once and lent
+        ones when their entries are.
+    """
+
+    def __init__(self, idle_limit: int, min_bytes: int = _PREFAULT_MIN_BYTES) -> None:
+        self.idle_limit = idle_limit
+        self.min_bytes = min_bytes
+        """Smaller requests are plain allocations (not pooled)."""
+        self._free: dict[int, list[_Buffer]] = {}
+        self._idle: collections.OrderedDict[int, _Buffer] = collections.OrderedDict()
+        self._idle_bytes = 0
+        self._lent: dict[int, tuple[weakref.ref[memoryview], _Buffer]] = {}
+        self._returned: collections.deque[_Buffer] = collections.deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.fresh = 0
+        """How many buffers had to be allocated (the rest were recycled)."""
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    @property
+    def lent(self) -> int:
+        """Buffers handed out whose tensors are still alive."""
+        return len(self._lent)
+
+    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D `dtype` tensor over `nbytes` bytes of memory of its own (contents undefined)."""
+        count = nbytes // dtype.itemsize
+        if nbytes < self.min_bytes or self._closed:
+            return torch.empty(count, dtype=dtype)
+        size = _size_class(nbytes)
+        buffer = None
+        with self._lock:
+            if self._returned or self._idle_bytes > self.idle_limit:
+                self._settle()
+            stack = self._free.get(size)
+            if stack:
+                buffer = stack.pop()
+                del self._idle[id(buffer)]
+                self._idle_bytes -= size
+        if buffer is None:
+            buffer = _Buffer(size)
+            self.fresh += 1
+        view = memoryview(buffer.window)
+        tensor = torch.frombuffer(view, dtype=dtype, count=count)
+        ref = weakref.ref(view, self._on_free)
+        self._lent[id(ref)] = (ref, buffer)
+        return tensor
+
+    def _on_free(self, ref: weakref.ref[memoryview]) -> None:
+        """The storage over a lent buffer was freed (any thread, maybe inside `take`)."""
+        entry = self._lent.pop(id(ref), None)
+        if entry is None or self._closed:
+            return
+        self._returned.append(entry[1])
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        """Move returned buffers to the idle lists and keep within `idle_limit` (lock held)."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            if buffer.size > self.idle_limit:
+                continue  # freed with its last reference
+            self._free.setdefault(buffer.size, []).append(buffer)
+            self._idle[id(buffer)] = buffer
+            self._idle_bytes += buffer.size
+        while self._idle_bytes > self.idle_limit:
+            _, buffer = self._idle.popitem(last=False)
+            self._free[buffer.size].remove(buffer)
+            self._idle_bytes -= buffer.size
+
+    def close(self) -> None:
+        """Free the idle buffers and keep none that come back later. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._returned.clear()
+            self._free.clear()
+            self._idle.clear()
+            self._idle_bytes = 0
+
+
 class CpuECCPUWorker(ECCPUWorker):
-    """Synchronous host-memory copies; one `memcpy` per run of blocks."""
+    """Synchronous host-memory copies; one `memcpy` per run of blocks.
+
+    Entries of 32 MiB and more are loaded into recycled, pre-faulted buffers
+    (`LoadBufferPool`); one is reused only after vLLM freed every tensor over
+    it. Smaller ones get plain tensors (glibc's heap is warm for them).
+    """
+
+    load_pool_idle_bytes: ClassVar[int] = 256 << 20
+    """How many bytes of freed load buffers may wait for reuse."""
+    load_pool_min_bytes: ClassVar[int] = _PREFAULT_MIN_BYTES
+    """Entries from this size on are loaded into pooled buffers (see `_PREFAULT_MIN_BYTES`)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        *,
+        layout: RegionLayout | None = None,
+        rank_info: RankInfo | None = None,
+    ) -> None:
+        self.load_pool = LoadBufferPool(self.load_pool_idle_bytes, self.load_pool_min_bytes)
+        super().__init__(vllm_config, layout=layout, rank_info=rank_info)
 
     def _submit_transfer(
         self,
@@ -59,12 +222,20 @@ class CpuECCPUWorker(ECCPUWorker):
         keepalive: Sequence[torch.Tensor],
     ) -> TransferHandle:
         began = time.perf_counter()
-        for src, dst, size in batch:
-            _memmove(dst, src, size)
+        memmove = _memmove
+        for src, dst, size in zip(batch.src, batch.dst, batch.sizes, strict=True):
+            memmove(dst, src, size)
         return CompletedTransfer(time.perf_counter() - began)
 
     def _new_device_buffer(self, nbytes: int) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes >= _PREFAULT_MIN_BYTES:
-            _prefault(buffer)
-        return buffer
+        return self.load_pool.take(nbytes, torch.uint8)
+
+    def _new_entry_buffer(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = shape
+        nbytes = rows * cols * dtype.itemsize
+        if nbytes < self.load_pool.min_bytes:
+            return torch.empty(rows, cols, dtype=dtype)  # one op, no views
+        return self.load_pool.take(nbytes, dtype).view(rows, cols)
+
+    def _shutdown_transfer_backend(self) -> None:
+        self.load_pool.close()

@@ -42,7 +42,8 @@ HEADER_BYTES = max(mmap.PAGESIZE, 4096)
 """The block area starts one page into the file, so blocks stay page aligned."""
 
 MAGIC = b"ECCPUREG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the header page also holds the reservation record (`ec_core.region.reservation`)."""
 # magic, version, header bytes, block size, block count, owner digest
 HEADER = struct.Struct("<8sIIQQ32s")
 _SAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")

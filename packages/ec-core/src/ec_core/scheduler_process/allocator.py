@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from ec_core.scheduler_process.block_ids import BlockIdPool
 from ec_core.scheduler_process.extents import FreeExtents, Run
 from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
 
@@ -29,6 +30,10 @@ WINDOW_CANDIDATES = 32
 """How many of the policy's preferred victims are ranked for a window search."""
 _UNRANKED = 2 * WINDOW_CANDIDATES
 """The rank charged for a neighbour outside the policy's first candidates."""
+
+
+def _run_length(run: Run) -> int:
+    return run[1]
 
 
 class AllocatorError(RuntimeError):
@@ -72,7 +77,8 @@ class BlockAllocator:
     """Allocates runs of blocks to keys and evicts by a pluggable policy.
 
     Guarantees, whatever the call sequence: no block is owned by two entries;
-    free blocks plus owned blocks are exactly the pool; a not-ready or pinned
+    free blocks plus owned blocks are exactly the reserved prefix of the pool
+    (`[0, num_reserved_blocks)`; see `extend_reserved`); a not-ready or pinned
     entry is never evicted; `alloc` evicts nothing when it cannot succeed.
     """
 
@@ -82,13 +88,21 @@ class BlockAllocator:
         policy: EvictionPolicy | None = None,
         *,
         on_evict: Callable[[Entry], None] | None = None,
+        reserved: int | None = None,
     ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if reserved is not None and not 0 <= reserved <= num_blocks:
+            raise ValueError(f"reserved must be in [0, {num_blocks}], got {reserved}")
         self.num_blocks = num_blocks
+        self.num_reserved_blocks = num_blocks if reserved is None else reserved
+        """Blocks `[0, num_reserved_blocks)` make up the pool; the rest are never
+        handed out (not yet backed by reserved pages). Only `extend_reserved`
+        raises it, and it never decreases."""
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         self._on_evict = on_evict
-        self._free = FreeExtents(num_blocks)
+        self._free = FreeExtents(self.num_reserved_blocks)
+        self._ids = BlockIdPool(num_blocks)
         self._entries: dict[str, Entry] = {}
         # Owner of each allocated run, by its first and by its one-past-last block.
         self._run_at: dict[int, Entry] = {}
@@ -112,6 +126,10 @@ class BlockAllocator:
 
     def get(self, key: str) -> Entry | None:
         return self._entries.get(key)
+
+    def block_ids(self, entry: Entry) -> list[int]:
+        """`entry.block_ids`, as a new list, without making an int per id (see `BlockIdPool`)."""
+        return self._ids.ids(entry.runs)
 
     @property
     def num_free_blocks(self) -> int:
@@ -229,7 +247,7 @@ class BlockAllocator:
 
     def _span_with_free(self, entry: Entry) -> int:
         """Blocks in the entry's longest run plus the free runs touching it."""
-        start, length = max(entry.runs, key=lambda run: run[1]) if entry.runs else (0, 0)
+        start, length = max(entry.runs, key=_run_length) if entry.runs else (0, 0)
         before = self._free.run_ending_at(start)
         after = self._free.run_length_at(start + length)
         return length + (start - before if before is not None else 0) + (after or 0)
@@ -237,46 +255,57 @@ class BlockAllocator:
     def _grow_window(
         self, seed: Entry, n: int, ranks: dict[str, int], budget: float
     ) -> tuple[list[Entry], float] | None:
-        def cost_of(entry: Entry) -> float:
-            return float(entry.num_blocks * (1 + ranks.get(entry.key, _UNRANKED)))
+        """The victims and cost of the window grown from `seed`, or None when it
+        cannot reach `n` blocks or costs `budget` or more.
 
-        start, length = max(seed.runs, key=lambda run: run[1])
+        Free runs join for nothing; otherwise the cheaper evictable neighbour
+        joins (the left one on a tie). This is the allocator's inner loop, so
+        lookups are bound to locals and costs are compared inline.
+        """
+        rank_of = ranks.get
+        free_ending_at = self._free.run_ending_at
+        free_length_at = self._free.run_length_at
+        owner_ending_at = self._run_ending.get
+        owner_at = self._run_at.get
+        start, length = seed.runs[0] if len(seed.runs) == 1 else max(seed.runs, key=_run_length)
         left, right = start, start + length
         victims = [seed]
-        cost = cost_of(seed)
+        cost = float(seed.num_blocks * (1 + rank_of(seed.key, _UNRANKED)))
         while right - left < n:
             if cost >= budget:
                 return None
-            free_before = self._free.run_ending_at(left)
+            free_before = free_ending_at(left)
             if free_before is not None:
                 left = free_before
                 continue
-            free_after = self._free.run_length_at(right)
+            free_after = free_length_at(right)
             if free_after is not None:
                 right += free_after
                 continue
-            options = [
-                (cost_of(neighbour), side, neighbour)
-                for neighbour, side in (
-                    (self._run_ending.get(left), "l"),
-                    (self._run_at.get(right), "r"),
-                )
-                if neighbour is not None and neighbour.evictable and neighbour not in victims
-            ]
-            if not options:
-                return None
-            step_cost, side, neighbour = min(options, key=lambda option: option[0])
-            cost += step_cost
-            victims.append(neighbour)
-            run_start, run_length = self._run_of(neighbour, left if side == "l" else right, side)
-            if side == "l":
-                left = run_start
+            before, after = owner_ending_at(left), owner_at(right)
+            before_cost = after_cost = math.inf
+            if before is not None and before.ready and before.pins == 0 and before not in victims:
+                before_cost = before.num_blocks * (1 + rank_of(before.key, _UNRANKED))
+            if after is not None and after.ready and after.pins == 0 and after not in victims:
+                after_cost = after.num_blocks * (1 + rank_of(after.key, _UNRANKED))
+            if before_cost <= after_cost:
+                if before is None or before_cost == math.inf:
+                    return None
+                cost += before_cost
+                victims.append(before)
+                left = self._run_of(before, left, "l")[0]
             else:
+                assert after is not None
+                cost += after_cost
+                victims.append(after)
+                run_start, run_length = self._run_of(after, right, "r")
                 right = run_start + run_length
         return (victims, cost) if cost < budget else None
 
     @staticmethod
     def _run_of(entry: Entry, boundary: int, side: str) -> Run:
+        if len(entry.runs) == 1:
+            return entry.runs[0]  # the only run of a neighbour is the one touching it
         for start, length in entry.runs:
             if (side == "l" and start + length == boundary) or (side == "r" and start == boundary):
                 return (start, length)
@@ -329,14 +358,29 @@ class BlockAllocator:
         self._remove(entry)
         return entry
 
+    def extend_reserved(self, reserved: int) -> int:
+        """Grow the pool to blocks `[0, reserved)` (clamped to `num_blocks`).
+
+        The new blocks become free (merged with a free run ending at the old
+        watermark). A watermark at or below the current one changes nothing.
+        Returns how many blocks were added. O(log free runs).
+        """
+        reserved = min(reserved, self.num_blocks)
+        added = reserved - self.num_reserved_blocks
+        if added <= 0:
+            return 0
+        self._free.release(self.num_reserved_blocks, added)
+        self.num_reserved_blocks = reserved
+        return added
+
     def clear(self) -> None:
-        """Forget every entry and free every block."""
+        """Forget every entry and free every reserved block."""
         for key in list(self._entries):
             self.policy.on_removed(key)
         self._entries.clear()
         self._run_at.clear()
         self._run_ending.clear()
-        self._free = FreeExtents(self.num_blocks)
+        self._free = FreeExtents(self.num_reserved_blocks)
         self._evictable_blocks = 0
         self._num_evictable = 0
 
@@ -360,7 +404,7 @@ class BlockAllocator:
         for start, length in spans:
             assert start == position, f"block {min(start, position)} is owned twice or lost"
             position = start + length
-        assert position == self.num_blocks, "free + owned blocks do not cover the pool"
+        assert position == self.num_reserved_blocks, "free + owned blocks do not cover the pool"
         assert len(self._run_at) == len(self._run_ending) == len(owned)
         for entry in self._entries.values():
             for start, length in entry.runs:

@@ -5,9 +5,12 @@ Runs in worker processes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from ec_core.worker_process.transfer import block_runs
 
 
 class ECCPULoadError(RuntimeError):
@@ -26,10 +29,10 @@ class PendingSave:
     step: int
     source: torch.Tensor
     block_ids: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel() * self.source.element_size()
+    nbytes: int
+    """The bytes of `source` (computed once: it is read on every copy path)."""
+    runs: list[tuple[int, int]] | None = None
+    """`block_runs(block_ids)`, computed once (the save path checks the bounds on them)."""
 
 
 @dataclass
@@ -41,6 +44,8 @@ class PlannedLoad:
     block_ids: list[int]
     shape: tuple[int, int]
     nbytes: int
+    runs: list[tuple[int, int]] | None = None
+    """`block_runs(block_ids)`, computed once (plan_load checks the bounds on them)."""
 
 
 def plan_load(
@@ -58,16 +63,18 @@ def plan_load(
     (nothing may be copied then: the copy would leave the mapping)."""
     rows, cols = shape
     nbytes = rows * cols * dtype.itemsize
-    if nbytes > len(block_ids) * block_size or (
-        block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks)
-    ):
+    runs = block_runs(block_ids)  # one pass over the ids; the bounds are the runs' ends
+    outside = False
+    for first, count in runs:
+        outside = outside or first < 0 or first + count > num_blocks
+    if nbytes > len(block_ids) * block_size or outside:
         raise ECCPULoadError(
             f"EC CPU tier: the load of {key!r} (transfer {tid}) names {len(block_ids)} "
             f"blocks for a {rows}x{cols} entry, some outside the region's {num_blocks} "
             f"blocks or too few of them; the scheduler and this worker ({backend}) "
             "disagree about the region"
         )
-    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes)
+    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes, runs)
 
 
 def save_problem(
@@ -89,7 +96,7 @@ def save_problem(
         return f"its dtype is {source.dtype} but the region holds {dtype}"
     if tuple(source.shape) != tuple(shape):
         return f"its shape is {tuple(source.shape)} but {tuple(shape)} was allocated"
-    nbytes = source.numel() * source.element_size()
+    nbytes = math.prod(shape) * dtype.itemsize  # shape == source.shape, dtype the region's
     if nbytes > len(block_ids) * block_size:
         return (
             f"it holds {nbytes} bytes but {len(block_ids)} blocks of {block_size} bytes "

@@ -42,6 +42,16 @@ class WorkerHooks:
         """A 1-D uint8 tensor of `nbytes` on this worker's device (one loaded entry)."""
         raise NotImplementedError
 
+    def _new_entry_buffer(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor one loaded entry is copied into and vLLM then owns: contiguous,
+        of `shape` and `dtype`, in device memory no other live tensor shares.
+
+        The default views a `_new_device_buffer`; a backend overrides it where it
+        can build the tensor more cheaply.
+        """
+        rows, cols = shape
+        return self._new_device_buffer(rows * cols * dtype.itemsize).view(dtype).view(rows, cols)
+
     def _copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` (same number of bytes) and return once it is done.
 

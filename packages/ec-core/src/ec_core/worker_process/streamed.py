@@ -156,6 +156,9 @@ class StreamedECCPUWorker(ECCPUWorker):
 
     batch_needs_pinned_host: ClassVar[bool] = True
     """Use the batched API only over registered memory (per-copy path otherwise)."""
+    registers_whole_region: ClassVar[bool] = True
+    """The whole mapping is pinned right after the region opens, so the region is
+    reserved in full before that (see ECCPUWorker)."""
 
     def __init__(
         self,

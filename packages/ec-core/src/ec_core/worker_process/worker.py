@@ -9,9 +9,10 @@ copies when a batch cannot be submitted, tracks the batches in flight
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -36,6 +37,7 @@ from ec_core.worker_process.transfer import (
     CompletedTransfer,
     DescriptorBatch,
     TransferDirection,
+    block_runs,
     entry_spans,
 )
 
@@ -67,11 +69,20 @@ class ECCPUWorker(WorkerHooks):
         allocated and of the region's dtype; any other is skipped with a
         rate-limited warning and reported failed. A save whose batch fails is
         copied synchronously; if that fails too it is reported failed;
+      * nothing is ever written at or above the region's reservation
+        watermark (`ec_core.region.reservation`), whatever block ids the
+        scheduler sent: such a save is refused with a rate-limited warning
+        and reported failed (the entry is encoded again later);
       * every step this worker runs produces a report naming its rank and the
         step up to which its copies have settled (see ECCPUWorkerReport);
       * shutdown waits for copies in flight, then releases the backend, then
         the region — the region's cleanup happens even if the backend fails.
     """
+
+    registers_whole_region: ClassVar[bool] = False
+    """True for a backend that registers (pins) the whole mapping when it starts
+    (`_pin_shared_region`): that faults in every page, so such a worker has the
+    region reserved in full before it returns, never in the background."""
 
     def __init__(
         self,
@@ -91,8 +102,14 @@ class ECCPUWorker(WorkerHooks):
         self.block_size = self.layout.block_size_bytes
         self.rank_info = rank_info if rank_info is not None else detect_rank_info()
         self.saves_here = self.is_producer and self.rank_info.is_save_rank
-        self.region: ECSharedRegion = open_region(self.layout)
+        self.region: ECSharedRegion = open_region(
+            self.layout, background_reserve=not self.registers_whole_region
+        )
+        self._reserved_blocks = self.region.reserved_blocks
+        """The watermark last read from the region (it only grows): saves below it
+        pass with one compare; one beyond it re-reads it (`_unreserved_problem`)."""
         self._region_bytes = self.region.blocks.view(-1).view(torch.uint8)
+        self._region_base = self.region.base_address  # fixed while the mapping is open
         self._warnings = RateLimitedWarnings(logger)
         self._step = 0
         self._bound_saves: dict[str, list[int]] = {}
@@ -159,8 +176,10 @@ class ECCPUWorker(WorkerHooks):
                 num_blocks=self.region.num_blocks,
                 backend=type(self).__name__,
             )
-            for key, (tid, block_ids, shape) in sorted(
-                metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1
+            for key, (tid, block_ids, shape) in (
+                sorted(metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1)
+                if len(metadata.loads) > 1
+                else metadata.loads.items()
             )
         ]
         staged: list[tuple[PlannedLoad, torch.Tensor]] = []
@@ -168,17 +187,18 @@ class ECCPUWorker(WorkerHooks):
         batch = DescriptorBatch()
         for load in loads:
             try:
-                buffer = self._new_device_buffer(load.nbytes)
+                buffer = self._new_entry_buffer(load.shape, self.dtype)
             except Exception as exc:
                 unstaged.append((load, None, exc))
                 continue
             batch.add_entry(
                 load.block_ids,
-                region_base=self.region.base_address,
+                region_base=self._region_base,
                 block_size=self.block_size,
                 other_base=int(buffer.data_ptr()),
                 nbytes=load.nbytes,
                 to_region=False,
+                runs=load.runs,
             )
             staged.append((load, buffer))
         if staged:
@@ -191,7 +211,7 @@ class ECCPUWorker(WorkerHooks):
         for load, maybe_buffer, cause in unstaged:
             staged.append((load, self._load_now(load, maybe_buffer, cause)))
         for load, buffer in staged:
-            encoder_cache[load.key] = buffer.view(self.dtype).view(load.shape)
+            encoder_cache[load.key] = buffer
 
     def _load_now(
         self, load: PlannedLoad, buffer: torch.Tensor | None, cause: Exception
@@ -200,7 +220,7 @@ class ECCPUWorker(WorkerHooks):
         began = time.perf_counter()
         try:
             if buffer is None:
-                buffer = self._new_device_buffer(load.nbytes)
+                buffer = self._new_entry_buffer(load.shape, self.dtype)
             self._copy_entry_now(buffer, load.block_ids, load.nbytes, to_region=False)
         except Exception as exc:
             raise ECCPULoadError(
@@ -234,21 +254,49 @@ class ECCPUWorker(WorkerHooks):
         if source is None:
             return  # reported as failed at the end of the step
         self._queued.add(mm_hash)
+        shape = metadata.save_shapes.get(mm_hash)
         problem = save_problem(
-            source,
-            metadata.save_shapes.get(mm_hash),
-            block_ids,
-            dtype=self.dtype,
-            block_size=self.block_size,
+            source, shape, block_ids, dtype=self.dtype, block_size=self.block_size
         )
-        if problem is not None:
-            self._fail_save(mm_hash, self._step, problem)
+        if problem is not None or shape is None:
+            self._fail_save(mm_hash, self._step, problem or "the scheduler sent no shape for it")
             return
-        self._pending_saves.append(PendingSave(mm_hash, self._step, source.contiguous(), block_ids))
+        runs = block_runs(block_ids)
+        if len(runs) == 1:
+            lowest, end = runs[0][0], runs[0][0] + runs[0][1]
+        elif runs:
+            lowest, end = min(runs)[0], max(first + count for first, count in runs)
+        else:
+            lowest = end = 0
+        if end > self._reserved_blocks or lowest < 0:
+            problem = self._unreserved_problem(lowest, end)
+            if problem is not None:
+                self._fail_save(mm_hash, self._step, problem, kind="save-unreserved")
+                return
+        nbytes = math.prod(shape) * self.dtype.itemsize  # == source's, as checked
+        self._pending_saves.append(
+            PendingSave(mm_hash, self._step, source.contiguous(), block_ids, nbytes, runs)
+        )
 
-    def _fail_save(self, key: str, step: int, reason: str) -> None:
+    def _unreserved_problem(self, lowest: int, end: int) -> str | None:
+        """Why blocks `[lowest, end)` must not be written, or None once the
+        re-read watermark covers them. Never raises."""
+        if lowest >= 0 and end <= self.region.num_blocks:
+            try:
+                self._reserved_blocks = max(self._reserved_blocks, self.region.reserved_blocks)
+            except Exception as exc:  # a closed region or a failed read: refuse
+                logger.debug("EC CPU tier: cannot read the region's watermark: %s", exc)
+            if end <= self._reserved_blocks:
+                return None
+        return (
+            f"its blocks reach block {end - 1} (lowest {lowest}) but only blocks below "
+            f"{self._reserved_blocks} of the region's {self.region.num_blocks} are reserved; "
+            "the scheduler handed out blocks this region has not reserved"
+        )
+
+    def _fail_save(self, key: str, step: int, reason: str, *, kind: str = "save") -> None:
         self._failed_saves.append((step, key))
-        self._warnings.warn("save", "EC CPU tier: not saving %s: %s", key, reason)
+        self._warnings.warn(kind, "EC CPU tier: not saving %s: %s", key, reason)
 
     def flush_saves(self) -> None:
         """Submit the queued saves as one batch (they all belong to one step)."""
@@ -259,11 +307,12 @@ class ECCPUWorker(WorkerHooks):
         for save in pending:
             batch.add_entry(
                 save.block_ids,
-                region_base=self.region.base_address,
+                region_base=self._region_base,
                 block_size=self.block_size,
                 other_base=int(save.source.data_ptr()),
                 nbytes=save.nbytes,
                 to_region=True,
+                runs=save.runs,
             )
         cause = self._submit(
             batch, SAVE, [save.source for save in pending], keys=[save.key for save in pending]
@@ -388,10 +437,12 @@ class ECCPUWorker(WorkerHooks):
         report = ECCPUWorkerReport(group_size=self.rank_info.group_size)
         self._inflight.harvest(rank, report)
         report.progress.append((rank, self._step, self.settled_through()))
-        report.failed_saves.extend((rank, step, key) for step, key in self._failed_saves)
-        report.fallbacks.extend((rank, kind) for kind in self._fallbacks)
-        self._failed_saves = []
-        self._fallbacks = []
+        if self._failed_saves:
+            report.failed_saves.extend((rank, step, key) for step, key in self._failed_saves)
+            self._failed_saves = []
+        if self._fallbacks:
+            report.fallbacks.extend((rank, kind) for kind in self._fallbacks)
+            self._fallbacks = []
         if self._side_channel is not None:
             self._side_channel.send(report)  # vLLM drops it on this engine
         return report

@@ -109,7 +109,7 @@ class ECCPUTierConnector(ECConnectorBase):
         return backend
 
     def _make_scheduler(self, vllm_config: VllmConfig) -> ECCPUScheduler:
-        return ECCPUScheduler(vllm_config)
+        return ECCPUScheduler(vllm_config, follow_reservation=True)
 
     def _make_worker(self, vllm_config: VllmConfig) -> ECCPUWorker:
         """Import and build the worker (worker processes only)."""
