@@ -218,6 +218,22 @@ def test_pool_recycles_a_buffer_only_after_every_view_is_freed() -> None:
     del other, again
 
 
+def test_a_lent_tensor_keeps_its_memory_when_the_pool_is_gone() -> None:
+    """The tensor vLLM holds owns its memory through its storage alone: dropping the
+    pool (a worker shut down and collected while the encoder cache lives on) frees
+    nothing under it."""
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    lent = pool.take(POOLED, torch.uint8)
+    lent.fill_(7)
+    pool.close()
+    del pool
+    gc.collect()
+    scratch = [torch.full((POOLED,), 1, dtype=torch.uint8) for _ in range(4)]  # reuse freed memory
+    assert torch.all(lent == 7)
+    lent.fill_(9)
+    assert all(torch.all(s == 1) for s in scratch), "the lent memory is shared with another tensor"
+
+
 def test_pool_keeps_at_most_its_idle_limit() -> None:
     pool = LoadBufferPool(idle_limit=3 * POOLED, min_bytes=POOLED)
     buffers = [pool.take(POOLED, torch.uint8) for _ in range(6)]

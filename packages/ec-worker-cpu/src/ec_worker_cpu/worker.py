@@ -78,7 +78,12 @@ def _prefault(buffer: torch.Tensor) -> None:
 
 
 class _Buffer:
-    """One pooled buffer: its memory (a uint8 tensor) and a buffer-protocol window on it."""
+    """One pooled buffer: its memory (a uint8 tensor) and a buffer-protocol window on it.
+
+    The window is a numpy array over the tensor, so a memoryview of it keeps the
+    memory alive by itself: a tensor handed out never depends on the pool (or
+    this object) outliving it.
+    """
 
     __slots__ = ("memory", "size", "window")
 
@@ -87,7 +92,7 @@ class _Buffer:
         self.memory = torch.empty(size, dtype=torch.uint8)
         if size >= _PREFAULT_MIN_BYTES:
             _prefault(self.memory)
-        self.window = (ctypes.c_char * size).from_address(self.memory.data_ptr())
+        self.window = self.memory.numpy()
 
 
 class LoadBufferPool:
@@ -150,7 +155,7 @@ class LoadBufferPool:
         if buffer is None:
             buffer = _Buffer(size)
             self.fresh += 1
-        view = memoryview(buffer.window)
+        view = buffer.window.data  # a new memoryview over the array, which it keeps alive
         tensor = torch.frombuffer(view, dtype=dtype, count=count)
         ref = weakref.ref(view, self._on_free)
         self._lent[id(ref)] = (ref, buffer)
