@@ -49,6 +49,55 @@ def test_free_extents_scattered_takes_fewest_pieces() -> None:
     free.check()
 
 
+def test_free_extents_take_from_carves_the_named_run_only() -> None:
+    free = FreeExtents(12)
+    assert free.take_contiguous(12) == (0, 12)
+    free.release(2, 5)
+    free.release(9, 3)
+    assert free.take_from(2, 3) == (2, 3)
+    assert free.runs() == [(5, 2), (9, 3)]
+    assert free.take_from(9, 3) == (9, 3)
+    assert free.runs() == [(5, 2)]
+    with pytest.raises(ValueError, match="holds 2 blocks"):
+        free.take_from(5, 3)
+    with pytest.raises(KeyError):
+        free.take_from(6, 1)
+    assert free.runs() == [(5, 2)], "a refused take changes nothing"
+    free.check()
+
+
+def test_the_victim_that_opens_a_run_is_carved_where_it_was() -> None:
+    alloc = BlockAllocator(12)
+    for key in ("a", "b", "c"):
+        assert alloc.alloc(key, 4) is not None
+        alloc.mark_ready(key)
+    alloc.drop("c")  # free: [8, 12)
+    # "a" is the LRU victim; 6 blocks fit nowhere free, and "a"'s run alone is
+    # too short, so the window search decides; "b" then frees [4, 12) with "c"'s space.
+    entry = alloc.alloc("d", 6)
+    assert entry is not None and len(entry.runs) == 1
+    alloc.check()
+    # Same size as the victim: the fast path carves the victim's own run.
+    assert alloc.alloc("e", 2) is not None  # the free tail
+    alloc.mark_ready("d")
+    alloc.mark_ready("e")
+    first = next(alloc.policy.candidates())
+    victim = alloc.get(first)
+    assert victim is not None
+    again = alloc.alloc("f", victim.num_blocks)
+    assert again is not None and again.runs == victim.runs
+    alloc.check()
+
+
+def test_an_entrys_block_id_list_is_made_once() -> None:
+    alloc = BlockAllocator(64)
+    entry = alloc.alloc("k", 9)
+    assert entry is not None
+    ids = alloc.block_ids(entry)
+    assert ids == list(range(9)) == entry.block_ids
+    assert alloc.block_ids(entry) is ids, "every save and load of an entry shares its list"
+
+
 def test_alloc_returns_one_ascending_run() -> None:
     alloc = BlockAllocator(16)
     a = alloc.alloc("a", 5, (5, 8))

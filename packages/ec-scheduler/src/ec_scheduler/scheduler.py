@@ -193,7 +193,6 @@ class ECCPUScheduler:
 
     # ------------------------------------------------------------ lookups
 
-    @_locked
     def has_cache_item(self, identifier: str) -> bool:
         """True iff a ready entry exists on a consumer.
 
@@ -202,23 +201,28 @@ class ECCPUScheduler:
         it before its load is dispatched. `build_connector_meta` releases the
         promises vLLM did not take up.
         """
-        if not self.is_consumer:
-            return False
-        if identifier in self._promised or identifier in self._pending_loads:
+        # The hot methods take the lock inline rather than through `_locked`:
+        # vLLM calls them once per item, and the wrapper's frame is a measurable
+        # share of their cost.
+        with self.lock:
+            if not self.is_consumer:
+                return False
+            if identifier in self._promised or identifier in self._pending_loads:
+                return True
+            counters = self.counters
+            counters.lookups += 1
+            allocator = self.allocator
+            allocator.policy.on_request(identifier)  # `note_request`
+            entry = allocator.get(identifier)
+            if entry is None or not entry.ready or identifier in self._stale:
+                return False
+            # The promise: pinned now, so an allocation later in this step cannot
+            # evict it before update_state_after_alloc dispatches the load.
+            allocator.pin_entry(entry)
+            self._promised.add(identifier)
+            counters.hits += 1
             return True
-        self.counters.lookups += 1
-        self.allocator.note_request(identifier)
-        entry = self.allocator.get(identifier)
-        if entry is None or not entry.ready or identifier in self._stale:
-            return False
-        # The promise: pinned now, so an allocation later in this step cannot
-        # evict it before update_state_after_alloc dispatches the load.
-        self.allocator.pin(identifier)
-        self._promised.add(identifier)
-        self.counters.hits += 1
-        return True
 
-    @_locked
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
 
@@ -229,29 +233,44 @@ class ECCPUScheduler:
         items this engine does not hold are offered to it; without one, this
         never defers.
         """
-        if not self.is_consumer:
-            return True
+        with self.lock:
+            if not self.is_consumer:
+                return True
+            if self.remote is None:
+                self._retire_stale_of(request, num_computed_tokens)
+                return True
+            return self._ask_remote(request, num_computed_tokens, self.remote)
+
+    def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> None:
+        """Without a remote source: retire the request's stale entries, nothing else."""
         entries = self.allocator.get
-        remote = self.remote
+        for feature in request.mm_features:
+            entry = entries(feature.identifier)
+            if entry is None or not entry.ready or entry.shape is None:
+                continue
+            position = feature.mm_position
+            if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
+                continue  # already consumed by the model; will not be looked up
+            rows = position.get_num_embeds()
+            if entry.shape[0] != rows:
+                self._retire_stale(entry, rows, request.request_id)
+
+    def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
+        """With a remote source: retire stale entries and offer it what is missing."""
+        entries = self.allocator.get
         missing: list[Wanted] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
             entry = entries(feature.identifier)
+            rows = position.get_num_embeds()
             if entry is not None and entry.ready and entry.shape is not None:
-                rows = position.get_num_embeds()
                 if entry.shape[0] == rows:
                     continue
                 self._retire_stale(entry, rows, request.request_id)
-            elif remote is None:
-                continue  # nothing to ask for, and nothing stale to retire
-            if remote is not None:
-                rows = position.get_num_embeds()
-                if rows > 0:  # absent, or not ready yet: its save or fetch is under way
-                    missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
-        if remote is None:
-            return True
+            if rows > 0:  # absent, or not ready yet: its save or fetch is under way
+                missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
         # Asked even with nothing missing: items being fetched for this request are
         # reserved here (not ready), and the request waits until they land.
         if remote.wants(request, missing):
@@ -278,7 +297,6 @@ class ECCPUScheduler:
 
     # --------------------------------------------------------- allocation
 
-    @_locked
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Turn a promised item into a load, or give a computed item a save.
 
@@ -289,17 +307,18 @@ class ECCPUScheduler:
         without a measured width (one warning per kind), or a region full of held
         entries (counted). Never raises for an item.
         """
-        if self._shut_down:
-            return
-        feature = request.mm_features[index]
-        key = feature.identifier
-        if key in self._pending_loads:
-            return  # the same item of another request in this step: one load serves both
-        if key in self._promised:
-            self._dispatch_load(key)
-            return
-        if self.is_producer and key not in self.allocator:
-            self._allocate_save(feature)
+        with self.lock:
+            if self._shut_down:
+                return
+            feature = request.mm_features[index]
+            key = feature.identifier
+            if key in self._pending_loads:
+                return  # the same item of another request in this step: one load serves both
+            if key in self._promised:
+                self._dispatch_load(key)
+                return
+            if self.is_producer and key not in self.allocator:
+                self._allocate_save(feature)
 
     def _dispatch_load(self, key: str) -> None:
         entry = self.allocator.get(key)
@@ -307,10 +326,12 @@ class ECCPUScheduler:
         self._promised.discard(key)  # its pin now belongs to the load
         tid = self._next_tid
         self._next_tid += 1
-        self._pending_loads[key] = (tid, self.allocator.block_ids(entry), entry.shape)
-        self.counters.loads_dispatched += 1
-        self.counters.load_rows += entry.shape[0]
-        self.counters.load_bytes += entry.shape[0] * entry.shape[1] * self._itemsize
+        shape = entry.shape
+        self._pending_loads[key] = (tid, self.allocator.block_ids(entry), shape)
+        counters = self.counters
+        counters.loads_dispatched += 1
+        counters.load_rows += shape[0]
+        counters.load_bytes += shape[0] * shape[1] * self._itemsize
 
     @property
     def flights(self) -> Flights:
@@ -364,9 +385,10 @@ class ECCPUScheduler:
             return
         self._pending_saves[key] = self.allocator.block_ids(entry)
         self._pending_shapes[key] = (rows, width)
-        self.counters.saves_dispatched += 1
-        self.counters.save_rows += rows
-        self.counters.save_bytes += rows * width * self._itemsize
+        counters = self.counters
+        counters.saves_dispatched += 1
+        counters.save_rows += rows
+        counters.save_bytes += rows * width * self._itemsize
 
     # ---------------------------------------------------------- step edge
 
@@ -424,25 +446,29 @@ class ECCPUScheduler:
 
     # ------------------------------------------------------------ reports
 
-    @_locked
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """Apply the workers' reports (see `Settlement`); anything else is ignored."""
         report = connector_output.ec_connector_worker_meta
-        if self._shut_down or report is None:
+        if report is None:
             return
-        if not isinstance(report, ECCPUWorkerReport):
-            self.counters.reports_ignored += 1
-            self._warn_once(
-                f"foreign-report:{type(report).__qualname__}",
-                "EC CPU tier: ignoring a worker report of type %s (expected ECCPUWorkerReport)",
-                type(report).__qualname__,
-            )
-            return
-        self._apply(report)
+        with self.lock:
+            if self._shut_down:
+                return
+            if not isinstance(report, ECCPUWorkerReport):
+                self.counters.reports_ignored += 1
+                self._warn_once(
+                    f"foreign-report:{type(report).__qualname__}",
+                    "EC CPU tier: ignoring a worker report of type %s (expected ECCPUWorkerReport)",
+                    type(report).__qualname__,
+                )
+                return
+            self._apply(report)
 
     def _apply(self, report: ECCPUWorkerReport) -> None:
-        for name in WORKER_COUNTERS:
-            self._worker_totals[name] += report.stats.get(name, 0.0)
+        totals = self._worker_totals
+        for name, value in report.stats.items():
+            if name in totals:  # the worker counters; anything else is not summed
+                totals[name] += value
         self.settlement.apply(report)
 
     @_locked

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ec_core.scheduler_process.block_ids import BlockIdPool
@@ -56,6 +56,8 @@ class Entry:
     shape: tuple[int, int] | None = None
     ready: bool = False
     pins: int = 0
+    ids: list[int] | None = field(default=None, repr=False)
+    """The block-id list the metadata carries, made on first use (`BlockAllocator.block_ids`)."""
 
     @property
     def evictable(self) -> bool:
@@ -128,8 +130,16 @@ class BlockAllocator:
         return self._entries.get(key)
 
     def block_ids(self, entry: Entry) -> list[int]:
-        """`entry.block_ids`, as a new list, without making an int per id (see `BlockIdPool`)."""
-        return self._ids.ids(entry.runs)
+        """`entry.block_ids`, made once per entry from shared int objects (`BlockIdPool`).
+
+        Every save and load of the entry gets this same list: the metadata only
+        reads it, and a reader must never change it. An entry's runs never
+        change, so the list stays right for the entry's life.
+        """
+        ids = entry.ids
+        if ids is None:
+            ids = entry.ids = self._ids.ids(entry.runs)
+        return ids
 
     @property
     def num_free_blocks(self) -> int:
@@ -179,7 +189,8 @@ class BlockAllocator:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         self.last_refusal = None
-        if not self.can_fit(n):
+        free = self._free
+        if n > free.total + self._evictable_blocks:  # `can_fit`, inline: the hot path
             self.last_refusal = "full"
             return None
         if not force and not self.policy.admit(key, n):
@@ -187,16 +198,16 @@ class BlockAllocator:
             return None
         runs: tuple[Run, ...] = ()
         if n > 0:
-            run = self._free.take_contiguous(n)
+            run = free.take_contiguous(n)
             if run is None:
                 run = self._make_room_contiguous(n)
             if run is not None:
                 runs = (run,)
             else:
-                while self._free.total < n:
+                while free.total < n:
                     self._evict_one()
-                runs = tuple(self._free.take_scattered(n))
-        entry = Entry(key=key, runs=runs, num_blocks=n, shape=shape)
+                runs = tuple(free.take_scattered(n))
+        entry = Entry(key, runs, n, shape)
         self._entries[key] = entry
         for start, length in runs:
             self._run_at[start] = entry
@@ -217,11 +228,23 @@ class BlockAllocator:
         each pruned as soon as it costs more than the best so far.
         """
         first = self._entries.get(next(self.policy.candidates(), ""))
-        if first is not None and first.evictable and self._span_with_free(first) >= n:
-            # The policy's own first victim opens a long enough run: the
-            # cheapest window there is (the usual case when sizes are similar).
-            self._evict(first)
-            return self._free.take_contiguous(n)
+        if first is not None and first.ready and first.pins == 0 and first.runs:
+            # The policy's own first victim may open a long enough run: then it
+            # is the cheapest window there is (the usual case when sizes are
+            # similar).
+            runs = first.runs
+            start, length = runs[0] if len(runs) == 1 else max(runs, key=_run_length)
+            free = self._free
+            before = free.run_ending_at(start)
+            after = free.run_length_at(start + length)
+            opened = start if before is None else before
+            if start + length + (after or 0) - opened >= n:
+                self._evict(first)
+                if len(runs) == 1:
+                    # No free run held `n` blocks before, so the one the victim
+                    # opened is the only one that does: best fit is to carve it.
+                    return free.take_from(opened, n)
+                return free.take_contiguous(n)
         ranks = {
             key: rank
             for rank, key in enumerate(
@@ -245,13 +268,6 @@ class BlockAllocator:
             self._evict(entry)
         return self._free.take_contiguous(n)
 
-    def _span_with_free(self, entry: Entry) -> int:
-        """Blocks in the entry's longest run plus the free runs touching it."""
-        start, length = max(entry.runs, key=_run_length) if entry.runs else (0, 0)
-        before = self._free.run_ending_at(start)
-        after = self._free.run_length_at(start + length)
-        return length + (start - before if before is not None else 0) + (after or 0)
-
     def _grow_window(
         self, seed: Entry, n: int, ranks: dict[str, int], budget: float
     ) -> tuple[list[Entry], float] | None:
@@ -263,8 +279,8 @@ class BlockAllocator:
         lookups are bound to locals and costs are compared inline.
         """
         rank_of = ranks.get
-        free_ending_at = self._free.run_ending_at
-        free_length_at = self._free.run_length_at
+        free_ending_at = self._free.starts_by_end.get  # `run_ending_at`, without its frame
+        free_length_at = self._free.lengths_by_start.get  # `run_length_at`, likewise
         owner_ending_at = self._run_ending.get
         owner_at = self._run_at.get
         start, length = seed.runs[0] if len(seed.runs) == 1 else max(seed.runs, key=_run_length)
@@ -293,12 +309,16 @@ class BlockAllocator:
                     return None
                 cost += before_cost
                 victims.append(before)
-                left = self._run_of(before, left, "l")[0]
+                runs = before.runs
+                left = runs[0][0] if len(runs) == 1 else self._run_of(before, left, "l")[0]
             else:
                 assert after is not None
                 cost += after_cost
                 victims.append(after)
-                run_start, run_length = self._run_of(after, right, "r")
+                runs = after.runs
+                run_start, run_length = (
+                    runs[0] if len(runs) == 1 else self._run_of(after, right, "r")
+                )
                 right = run_start + run_length
         return (victims, cost) if cost < budget else None
 
@@ -322,12 +342,16 @@ class BlockAllocator:
 
     def pin(self, key: str) -> Entry:
         """Protect a ready entry from eviction for one more load (pins nest)."""
-        entry = self._require(key)
+        return self.pin_entry(self._require(key))
+
+    def pin_entry(self, entry: Entry) -> Entry:
+        """`pin`, given the entry itself (it must be this allocator's)."""
         if not entry.ready:
-            raise AllocatorError(f"entry {key!r} is not ready and cannot be pinned")
+            raise AllocatorError(f"entry {entry.key!r} is not ready and cannot be pinned")
         if entry.pins == 0:
-            self._stopped_being_evictable(entry)
-            self.policy.on_held(key)
+            self._evictable_blocks -= entry.num_blocks
+            self._num_evictable -= 1
+            self.policy.on_held(entry.key)
         entry.pins += 1
         return entry
 

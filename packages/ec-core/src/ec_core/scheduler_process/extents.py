@@ -1,12 +1,17 @@
 """Free space of a block pool, kept as maximal runs of consecutive blocks.
 
-Every operation is O(log e) in the number `e` of free runs, never in the
-number of blocks: a run of a million blocks costs the same as a run of one.
+No operation depends on the number of blocks: a run of a million blocks costs
+the same as a run of one. Lookups by address are dictionary lookups; the
+best-fit search is a binary search, O(log e) in the number `e` of free runs,
+over a plain sorted list, so inserting or removing a run also moves up to `e`
+pointers (one C `memmove`). For the few thousand runs a region has at most
+(runs never touch, and every run lies between two entries) that is cheaper
+than any tree built in Python, which is what this module is timed against.
 """
 
 from __future__ import annotations
 
-from sortedcontainers import SortedList
+from bisect import bisect_left, insort
 
 Run = tuple[int, int]
 """`(first_block, num_blocks)`: a contiguous span, `num_blocks >= 1`."""
@@ -20,43 +25,46 @@ class FreeExtents:
     and the three indexes describe the same set of runs.
     """
 
-    __slots__ = ("_by_end", "_by_size", "_by_start", "total")
+    __slots__ = ("_by_size", "lengths_by_start", "starts_by_end", "total")
 
     def __init__(self, num_blocks: int) -> None:
-        self._by_start: dict[int, int] = {}
-        self._by_end: dict[int, int] = {}
-        self._by_size: SortedList = SortedList()
+        self.lengths_by_start: dict[int, int] = {}
+        """Each free run's length by its first block (read-only outside this class)."""
+        self.starts_by_end: dict[int, int] = {}
+        """Each free run's first block by its one-past-last block (read-only outside)."""
+        self._by_size: list[Run] = []
+        """`(length, start)` of every run, sorted: best fit is the first at or after `(n, -1)`."""
         self.total = 0
         if num_blocks > 0:
             self._insert(0, num_blocks)
 
     def __len__(self) -> int:
         """The number of free runs."""
-        return len(self._by_start)
+        return len(self.lengths_by_start)
 
     def run_ending_at(self, end: int) -> int | None:
         """The start of the free run that ends at `end`, if there is one."""
-        return self._by_end.get(end)
+        return self.starts_by_end.get(end)
 
     def run_length_at(self, start: int) -> int | None:
         """The length of the free run that starts at `start`, if there is one."""
-        return self._by_start.get(start)
+        return self.lengths_by_start.get(start)
 
     def runs(self) -> list[Run]:
         """All free runs in address order (for tests and diagnostics)."""
-        return sorted(self._by_start.items())
+        return sorted(self.lengths_by_start.items())
 
     def release(self, start: int, length: int) -> None:
         """Return `[start, start + length)` to the pool, merging neighbours."""
         if length <= 0:
             return
         end = start + length
-        before = self._by_end.get(start)
+        before = self.starts_by_end.get(start)
         if before is not None:
             length += start - before
             self._remove(before)
             start = before
-        after_len = self._by_start.get(end)
+        after_len = self.lengths_by_start.get(end)
         if after_len is not None:
             self._remove(end)
             length += after_len
@@ -70,10 +78,28 @@ class FreeExtents:
         """
         if n <= 0 or not self._by_size:
             return None
-        index = self._by_size.bisect_left((n, -1))
-        if index == len(self._by_size):
+        by_size = self._by_size
+        index = bisect_left(by_size, (n, -1))
+        if index == len(by_size):
             return None
-        length, start = self._by_size[index]
+        length, start = by_size[index]
+        del by_size[index]
+        del self.lengths_by_start[start]
+        del self.starts_by_end[start + length]
+        self.total -= length
+        if length > n:
+            self._insert(start + n, length - n)
+        return (start, n)
+
+    def take_from(self, start: int, n: int) -> Run:
+        """Carve `n` blocks from the front of the free run that starts at `start`.
+
+        The caller knows the run exists and holds `n` blocks (KeyError or
+        ValueError otherwise, with nothing changed).
+        """
+        length = self.lengths_by_start[start]
+        if not 0 < n <= length:
+            raise ValueError(f"the free run at {start} holds {length} blocks, not {n}")
         self._remove(start)
         if length > n:
             self._insert(start + n, length - n)
@@ -100,25 +126,28 @@ class FreeExtents:
 
     def check(self) -> None:
         """Raise AssertionError if the indexes disagree (test helper)."""
-        runs = sorted(self._by_start.items())
-        assert len(runs) == len(self._by_end) == len(self._by_size)
+        runs = sorted(self.lengths_by_start.items())
+        assert len(runs) == len(self.starts_by_end) == len(self._by_size)
         assert self.total == sum(length for _, length in runs)
         previous_end = -1
         for start, length in runs:
             assert length > 0
             assert start > previous_end, "free runs overlap or touch"
-            assert self._by_end[start + length] == start
+            assert self.starts_by_end[start + length] == start
             assert (length, start) in self._by_size
             previous_end = start + length
 
     def _insert(self, start: int, length: int) -> None:
-        self._by_start[start] = length
-        self._by_end[start + length] = start
-        self._by_size.add((length, start))
+        self.lengths_by_start[start] = length
+        self.starts_by_end[start + length] = start
+        insort(self._by_size, (length, start))
         self.total += length
 
     def _remove(self, start: int) -> None:
-        length = self._by_start.pop(start)
-        del self._by_end[start + length]
-        self._by_size.remove((length, start))
+        length = self.lengths_by_start.pop(start)
+        del self.starts_by_end[start + length]
+        by_size = self._by_size
+        index = bisect_left(by_size, (length, start))
+        assert by_size[index] == (length, start), "size index out of date"
+        del by_size[index]
         self.total -= length
