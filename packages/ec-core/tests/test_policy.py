@@ -153,3 +153,78 @@ def test_wtinylfu_doorkeeper_stops_writing_one_offs() -> None:
     assert saved < 1000
     alloc.note_request("again")
     assert _save(alloc, "again", 10), "an item seen before is always saved"
+
+
+def _replay(alloc: BlockAllocator, keys: list[str], blocks: int) -> int:
+    """Drive `keys` the scheduler's way; the blocks served from the pool."""
+    served = 0
+    for key in keys:
+        alloc.note_request(key)
+        entry = alloc.get(key)
+        if entry is None:
+            if alloc.alloc(key, blocks) is not None:
+                alloc.mark_ready(key)
+        elif entry.evictable:
+            served += blocks
+            alloc.pin(key)
+            alloc.unpin(key)
+    return served
+
+
+def _sliding_sessions(turns: int, start: int = 0) -> list[str]:
+    """Recency traffic: 10 chats in turn, each re-sending its last three images
+    and adding one every turn (an image's past count says nothing)."""
+    keys: list[str] = []
+    for turn in range(start, start + turns):
+        chat, step = turn % 10, turn // 10
+        keys.extend(f"c{chat}i{step - back}" for back in (2, 1, 0) if step - back >= 0)
+    return keys
+
+
+def _hot_set_with_scans(rounds: int) -> list[str]:
+    """Frequency traffic: 20 hot items, each round interrupted by 30 one-offs."""
+    keys: list[str] = []
+    for r in range(rounds):
+        keys.extend(f"hot{i}" for i in range(20))
+        keys.extend(f"scan{r}x{i}" for i in range(30))
+    return keys
+
+
+def test_wtinylfu_guard_enters_recency_mode_on_recency_traffic_and_leaves_it() -> None:
+    """The shadow LRU beats the frequency shadow on sliding chats: the policy
+    becomes LRU (window = pool) and then serves what LRU serves; a hot set
+    behind scans brings the frequency side back, and it beats LRU there."""
+    pool = 40 * 10
+    policy = WTinyLFUPolicy(pool)
+    alloc = BlockAllocator(pool, policy)
+    recency = _sliding_sessions(1500)
+    _replay(alloc, recency[:600], 10)
+    assert policy.recency_mode and policy.window_share == 1.0
+    served = _replay(alloc, recency[600:], 10)
+    lru = BlockAllocator(pool, LRUPolicy())
+    _replay(lru, recency[:600], 10)
+    assert served >= 0.99 * _replay(lru, recency[600:], 10)
+
+    frequency = _hot_set_with_scans(60)
+    _replay(alloc, frequency[:1500], 10)
+    assert not policy.recency_mode and policy.mode_changes >= 2
+    served = _replay(alloc, frequency[1500:], 10)
+    _replay(lru, frequency[:1500], 10)
+    assert served > 1.2 * _replay(lru, frequency[1500:], 10)
+
+
+def test_wtinylfu_recency_mode_moves_every_hit_to_the_window() -> None:
+    policy = WTinyLFUPolicy(100)
+    alloc = BlockAllocator(100, policy)
+    for key in "abcd":
+        assert _save(alloc, key, 20, seen=2)
+    policy._set_recency_mode(True)
+    assert policy.window_target == 100
+    _hit(alloc, "a")
+    assert policy._segment["a"] == 0  # the window
+    assert _save(alloc, "e", 20, seen=2)
+    assert _save(alloc, "f", 20, seen=2)
+    assert "a" in alloc, "the most recently hit entry outlives older ones"
+    policy._set_recency_mode(False)
+    assert policy.window_target == policy.initial_window
+    assert policy.segment_blocks()["window"] <= max(policy.window_target, 20)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import types
+import zlib
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from ec_core.scheduler_process.policy import (
     DEFAULT_POLICY,
     FrequencySketch,
     WTinyLFUPolicy,
+    key_hash,
     make_policy,
 )
 
@@ -112,7 +114,14 @@ class DefaultPolicyMachine(RuleBasedStateMachine):
             assert ghosts.blocks <= ghosts.max_blocks and len(ghosts) <= ghosts.max_entries
         assert policy._trial <= set(self.model), "a trial outlived its entry"
         assert len(policy.sketch.counters) == policy.sketch.depth * policy.sketch.width
-        assert policy._shadow_used == sum(policy._shadow.values()) <= policy.capacity
+        lru, tiny = policy._lru, policy._tiny
+        assert lru.used == sum(lru.order.values()) <= policy.capacity
+        assert tiny.window_used == sum(tiny.window.values())
+        assert tiny.main_used == sum(tiny.main.values()) <= tiny.main_capacity
+        assert tiny.window_used + tiny.main_used <= policy.capacity
+        assert not tiny.window.keys() & tiny.main.keys()
+        if policy.recency_mode:
+            assert policy.window_target == policy.capacity
 
 
 TestDefaultPolicyMachine = DefaultPolicyMachine.TestCase
@@ -142,6 +151,30 @@ def test_sketch_never_undercounts_before_a_reset() -> None:
     assert all(sketch.estimate(f"k{i}") >= min(i % 5 + 1, sketch.cap) for i in range(500))
 
 
+def test_sketch_resize_keeps_every_count() -> None:
+    """Growing or shrinking the sketch never lowers an estimate: still no undercount."""
+    sketch = FrequencySketch(64, max_width=1 << 14, period_factor=1000.0)
+    for i in range(300):
+        for _ in range(i % 7 + 1):
+            sketch.increment(f"k{i}")
+    assert sketch.resets == 0
+    before = [sketch.estimate(f"k{i}") for i in range(300)]
+    assert all(before[i] >= i % 7 + 1 for i in range(300))
+    for width in (256, 4096, 1 << 14, 512, 64):
+        sketch.resize(width)
+        assert sketch.width == width and len(sketch.counters) == sketch.depth * width
+        assert all(sketch.estimate(f"k{i}") >= before[i] for i in range(300)), width
+
+
+def test_sketch_hash_is_deterministic() -> None:
+    """Estimates depend on CRC-32 of the key only (no salted `hash()`): fixed values."""
+    sketch = FrequencySketch(16)
+    for _ in range(3):
+        sketch.increment("img7")
+    assert sketch.estimate_hash(key_hash("img7")) == sketch.estimate("img7") == 3
+    assert key_hash("img7") == zlib.crc32(b"img7")
+
+
 def test_sketch_ages_by_halving() -> None:
     sketch = FrequencySketch(16)
     for _ in range(12):
@@ -165,8 +198,9 @@ def test_policy_state_stays_bounded_over_many_keys() -> None:
         if entry is not None:
             alloc.mark_ready(key)
     assert len(policy.sketch.counters) <= policy.sketch.depth * 1024
-    assert policy._shadow_used <= 1000 and len(policy._shadow) <= 1000
-    assert len(policy.tracked_keys()) <= len(alloc) + 3 * 256 + len(policy._shadow)
+    shadows = len(policy._lru.order) + len(policy._tiny.window) + len(policy._tiny.main)
+    assert policy._lru.used <= 1000 and shadows <= 2000
+    assert len(policy.tracked_keys()) <= len(alloc) + 3 * 256 + shadows
     assert policy._trial <= {e.key for e in alloc}
     alloc.clear()
     assert not policy._segment and not policy._blocks and not list(policy.candidates())

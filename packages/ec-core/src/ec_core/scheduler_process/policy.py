@@ -284,8 +284,14 @@ class S3LFUPolicy(_FirstSightingGate):
 _HALVE = bytes(value >> 1 for value in range(256))
 """`bytearray.translate` table that halves every counter (the sketch's aging)."""
 
-_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
-_MASK64 = (1 << 64) - 1
+_SPREAD = 0x9E3779B97F4A7C15F39CC0605CEDC835
+"""Odd 128-bit multiplier: row r's index is the top bits of bits [32r, 32r + 32)
+of `hash * _SPREAD` (a multiplicative hash modulo 2**(32r + 32) per row)."""
+
+
+def key_hash(key: str) -> int:
+    """CRC-32 of the key's UTF-8 bytes: the same in every process, unlike `hash()`."""
+    return zlib.crc32(key.encode())
 
 
 class FrequencySketch:
@@ -300,62 +306,89 @@ class FrequencySketch:
     Guarantees: memory is exactly `depth * width` bytes, whatever the number of
     distinct keys seen (`width` only ever changes through `resize`, which never
     exceeds `max_width`); an estimate never undercounts a key's increments
-    since the last reset, halving aside; every operation is O(depth), halving
-    O(width) once per `period` increments (amortised O(1) for `period >= width`).
-    Keys are hashed with CRC-32, not `hash()`, so estimates are the same in every
-    process (deterministic benchmarks and replays).
+    since the last halving (a `resize` keeps every count); every operation is
+    O(depth) with one CRC-32 of the key (none for the `*_hash` forms, given
+    `key_hash(key)`), halving O(width) once per `period` increments (amortised
+    O(1) for `period >= width`). Keys are hashed with CRC-32, not `hash()`, so
+    estimates are the same in every process (deterministic benchmarks and
+    replays).
     """
 
     depth = 4
-    """Rows of counters (fixed: `_slots` is unrolled for four)."""
+    """Rows of counters (fixed: the index arithmetic is unrolled for four)."""
 
     def __init__(
         self, width: int, *, max_width: int = 1 << 20, cap: int = 15, period_factor: float = 10.0
     ) -> None:
-        self.max_width = max(_pow2_at_least(max_width), 16)
+        self.max_width = min(max(_pow2_at_least(max_width), 16), 1 << 32)
         self.cap = cap
         self.period_factor = period_factor
         self.width = 0
-        self.counters = bytearray()
-        self.period = 0
+        self.counters = bytearray(self.depth * 16)
+        self.period = 1
         self.increments = 0
         self.resets = 0
+        self._mask = 15
+        self._shifts = (0, 0, 0, 0)
         self.resize(width)
 
     def resize(self, width: int) -> None:
-        """Start over with `width` counters a row (a power of two, at most `max_width`)."""
+        """Use `width` counters a row (a power of two, 16 to `max_width`), keeping the counts.
+
+        Row r's index of a key is the top log2(width) bits of a fixed 32-bit
+        field of its hash, so when the width grows by 2**k a key's new index
+        `i` satisfies `i >> k == old index`: each old counter is copied to the
+        2**k counters that replace it. When it shrinks, merged counters keep
+        the largest count. Either way no key's estimate drops. O(new width).
+        """
         width = min(max(_pow2_at_least(width), 16), self.max_width)
         if width == self.width:
             return
+        counters = self.counters
+        old = max(self.width, 16)
+        while old < width:  # each byte twice: row r of the old array becomes row r of the new
+            doubled = bytearray(2 * len(counters))
+            doubled[0::2] = counters
+            doubled[1::2] = counters
+            counters, old = doubled, old * 2
+        while old > width:
+            counters, old = bytearray(map(max, counters[0::2], counters[1::2])), old // 2
+        self.counters = counters
         self.width = width
-        self._shift = 64 - (width.bit_length() - 1)
-        self.counters = bytearray(self.depth * width)
+        self._mask = width - 1
+        bits = width.bit_length() - 1
+        self._shifts = (32 - bits, 64 - bits, 96 - bits, 128 - bits)
         self.period = max(int(self.period_factor * width), 1)
-        self.increments = 0
-
-    def _slots(self, key: str) -> tuple[int, int, int, int]:
-        """The key's counter in each of the four rows (unrolled: this runs on every lookup)."""
-        data = key.encode()
-        digest = (zlib.crc32(data) << 32) | zlib.crc32(data, 0x5BD1E995)
-        shift, width = self._shift, self.width
-        m0, m1, m2, m3 = _MIX
-        return (
-            ((digest * m0) & _MASK64) >> shift,
-            width + (((digest * m1) & _MASK64) >> shift),
-            2 * width + (((digest * m2) & _MASK64) >> shift),
-            3 * width + (((digest * m3) & _MASK64) >> shift),
-        )
 
     def estimate(self, key: str) -> int:
         """The key's approximate recent request count (0 to `cap`)."""
-        counters = self.counters
-        a, b, c, d = self._slots(key)
-        return min(counters[a], counters[b], counters[c], counters[d])
+        return self.estimate_hash(zlib.crc32(key.encode()))
+
+    def estimate_hash(self, digest: int) -> int:
+        """`estimate` of the key whose `key_hash` is `digest`."""
+        spread = digest * _SPREAD
+        counters, mask, width = self.counters, self._mask, self.width
+        s0, s1, s2, s3 = self._shifts
+        return min(
+            counters[(spread >> s0) & mask],
+            counters[width + ((spread >> s1) & mask)],
+            counters[2 * width + ((spread >> s2) & mask)],
+            counters[3 * width + ((spread >> s3) & mask)],
+        )
 
     def increment(self, key: str) -> None:
         """Count one request for `key`; halves every counter once per `period`."""
-        counters = self.counters
-        a, b, c, d = self._slots(key)
+        self.increment_hash(zlib.crc32(key.encode()))
+
+    def increment_hash(self, digest: int) -> None:
+        """`increment` of the key whose `key_hash` is `digest`."""
+        spread = digest * _SPREAD
+        counters, mask, width = self.counters, self._mask, self.width
+        s0, s1, s2, s3 = self._shifts
+        a = (spread >> s0) & mask
+        b = width + ((spread >> s1) & mask)
+        c = 2 * width + ((spread >> s2) & mask)
+        d = 3 * width + ((spread >> s3) & mask)
         ca, cb, cc, cd = counters[a], counters[b], counters[c], counters[d]
         least = min(ca, cb, cc, cd)
         if least < self.cap:
@@ -384,7 +417,8 @@ _WINDOW, _PROBATION, _PROTECTED, _OUTGOING = range(4)
 
 class WTinyLFUPolicy(_FirstSightingGate):
     """Adaptive W-TinyLFU, weighted by size: an LRU window in front of a
-    frequency-filtered segmented LRU, with the window's share tuned online.
+    frequency-filtered segmented LRU, with the window's share tuned online,
+    and a recency mode it falls back to while plain LRU would do better.
 
     * **Segments.** Every entry belongs to one of: the **window** (LRU, where
       every saved item starts), **probation** and **protected** (the main
@@ -404,42 +438,46 @@ class WTinyLFUPolicy(_FirstSightingGate):
       it leaves goes back to the window.
     * **Victim order** (`candidates`): outgoing, probation, window, protected,
       each least recent first.
-    * **Window sizing (climbing on ghost hits).** Caffeine climbs the window
-      size by sampling the hit rate; here each step's direction comes from
-      the marginal value of the two sides, measured per request: the policy
-      remembers (keys and sizes only, about one pool's worth each) the
-      entries that left from the window or outgoing, and those that left from
-      the main part. A request for a key of the first kind is a hit a larger
-      window would have had: the window's share grows by that entry's blocks
-      (more when that ghost list is the shorter, as in ARC); one of the second
-      kind shrinks it. A window of the whole pool makes the policy LRU, so it
-      retreats to LRU on recency-heavy traffic (chat: re-sent images lose
-      duels, come back, and grow the window) and to a tiny window on
-      frequency-heavy traffic, without waiting for noisy samples.
-    * **LRU guard.** A shadow plain LRU of the same capacity (keys and sizes
-      only) sees the same requests. After each sample of `lru_guard_sample`
-      pools' worth of requested blocks, if it served more blocks than the
-      policy did (by more than `lru_guard_margin` of the sample), the window
-      grows by `lru_guard_step` of the pool at once: a paired comparison on
-      the same requests, so the workload's own drift does not mislead it,
-      and the fast way back to LRU when recency takes over (a phase change,
-      many live chat sessions).
+    * **Window sizing (climbing on ghost hits).** The policy remembers (keys
+      and sizes only, about one pool's worth each) the entries that left from
+      the window or outgoing, and those that left from the main part. A
+      request for a key of the first kind is a hit a larger window would have
+      had: the window's share grows by that entry's blocks (more when that
+      ghost list is the shorter, as in ARC); one of the second kind shrinks
+      it, down to `min_window_fraction`.
+    * **Recency mode (the LRU guard).** Two shadow caches of the pool's
+      capacity (keys and sizes only, no blocks, so no fragmentation) see the
+      same requests: a plain LRU, and a W-TinyLFU with a fixed
+      `shadow_window_fraction` window and an LRU main part (the frequency
+      expert). After each sample of `guard_sample` pools' worth of requested
+      blocks, the policy takes the side of the shadow that served more of
+      them (by more than `guard_margin` of the sample, else it stays): when
+      LRU won it enters **recency mode** — the window is the whole pool, every
+      hit moves its entry to the window's most recent end, no duels happen,
+      so the victim order becomes LRU's as the old main entries age out;
+      when the frequency expert won it leaves it, with the window back at
+      its initial share. A paired comparison on the same requests, so the
+      workload's own drift does not mislead it; it costs two dictionary
+      operations per request.
     * **Doorkeeper.** A first sighting (sketch estimate 1) is saved while
       first-sighting saves have been paying off: a moving average of "hit
       before it left the pool". When that falls below
       `admit_threshold` (a stream of one-off images) only one first sighting
       in `probe_every` is written, so one-offs cost no copy and push nothing
-      out. Items seen before are always saved.
+      out. Items seen before are always saved. It acts in both modes.
     * **Sketch.** A `FrequencySketch`, `16 x` the entry count wide (grown as
       the pool holds more entries, never past `max_sketch_width` counters a
-      row), halved every `sketch_period_factor` widths of requests (about ten
-      requests per entry, as in Caffeine).
+      row), halved every `sketch_period_factor` widths of requests. A key is
+      hashed once per request (the hash is remembered for the admission
+      that follows a miss).
 
     Every event is O(1) amortised, except a duel, which walks at most
-    `max_duel_victims` of the victims a candidate would displace. Memory:
-    the sketch's fixed bytes, plus per-key state for the pool's entries and
-    three ghost lists of at most `capacity` blocks and `max_ghost_entries`
-    keys each (the shadow LRU holds at most `capacity` blocks).
+    `max_duel_victims` of the victims a candidate would displace, and a mode
+    change, which moves every entry once (at most once per sample, so O(1)
+    amortised over the sample's requests). Memory: the sketch's fixed bytes,
+    plus per-key state for the pool's entries, three ghost lists of at most
+    `capacity` blocks and `max_ghost_entries` keys each, and two shadows of
+    at most `capacity` blocks each.
     """
 
     name = "wtinylfu"
@@ -458,22 +496,22 @@ class WTinyLFUPolicy(_FirstSightingGate):
         max_duel_victims: int = 8,
         max_ghost_entries: int = 1 << 16,
         sketch_period_factor: float = 0.6,
-        lru_guard_step: float = 0.25,
-        lru_guard_sample: float = 1.0,
-        lru_guard_margin: float = 0.0,
+        shadow_window_fraction: float = 0.01,
+        guard_sample: float = 1.0,
+        guard_margin: float = 0.0,
     ) -> None:
-        self.lru_guard_step = lru_guard_step
-        self.lru_guard_sample = lru_guard_sample
-        self.lru_guard_margin = lru_guard_margin
         self.capacity = max(num_blocks, 1)
         self.min_window = self.capacity * min_window_fraction
-        self.window_target = max(self.capacity * window_fraction, self.min_window)
+        self.initial_window = max(self.capacity * window_fraction, self.min_window)
+        self.window_target = self.initial_window
         self.protected_fraction = protected_fraction
         self.admit_threshold = admit_threshold
         self.probe_every = probe_every
         self.ema_weight = ema_weight
         self.max_duel_victims = max_duel_victims
         self.max_ghost_entries = max_ghost_entries
+        self.guard_sample = guard_sample
+        self.guard_margin = guard_margin
         self.sketch = FrequencySketch(
             1024, max_width=max_sketch_width, period_factor=sketch_period_factor
         )
@@ -494,56 +532,102 @@ class WTinyLFUPolicy(_FirstSightingGate):
         )
         self.first_sighting_payoff = 1.0
         """Moving average of "a first-sighting save was hit before it left"."""
-        # The LRU guard: a shadow plain LRU (keys and sizes only, at most
-        # `capacity` blocks) fed the same requests; per sample of one pool's
-        # worth of requested blocks, hit blocks of both.
-        self._shadow: OrderedDict[str, int] = OrderedDict()
-        self._shadow_used = 0
-        self._sample = [0, 0, 0]  # requested, our hits, shadow hits
         self._trial: set[str] = set()
         self._refused = _Ghosts(self.capacity, max_ghost_entries)
         """First sightings not saved, kept to learn whether refusing them was right."""
         self._first_sightings = 0
+        self.recency_mode = False
+        """True while the policy behaves as LRU (see the class docstring)."""
+        self.mode_changes = 0
+        # The shadows (see `_ShadowLRU`, `_ShadowTinyLFU`) and the current
+        # sample: requested blocks, blocks each shadow served.
+        self._lru = _ShadowLRU(self.capacity)
+        self._tiny = _ShadowTinyLFU(self.capacity, shadow_window_fraction, self.sketch)
+        self._sample = [0, 0, 0]
+        self._sample_blocks = guard_sample * self.capacity
+        self._sketch_full_at = self.sketch.width // 4
+        """Entries beyond which the sketch grows (to 16 counters a row per entry)."""
+        # The last requested key whose size was not known yet (a miss nobody
+        # holds): its size comes with `admit` or `on_insert`.
+        self._unsized: str | None = None
+        # The hash of the last requested key (the admission after a miss reuses it).
+        self._last_key: str | None = None
+        self._last_hash = 0
 
     # ----------------------------------------------------------- events
 
     def on_request(self, key: str) -> None:
-        self._feed_shadow(key)
-        self.sketch.increment(key)
-        if len(self._blocks) * 4 > self.sketch.width:
-            self.sketch.resize(len(self._blocks) * 16)
-        if self._refused.pop(key) is not None:
+        # The hot path (every lookup): one CRC-32, no allocation, lookups inlined.
+        digest = zlib.crc32(key.encode())
+        self._last_key = key
+        self._last_hash = digest
+        self.sketch.increment_hash(digest)
+        if len(self._blocks) > self._sketch_full_at:
+            self._grow_sketch()
+        sample = self._sample
+        lru = self._lru.order
+        blocks = lru.get(key)
+        if blocks is not None:
+            lru.move_to_end(key)
+            sample[1] += blocks
+        tiny = self._tiny.window
+        tiny_blocks = tiny.get(key)
+        if tiny_blocks is None:
+            tiny = self._tiny.main
+            tiny_blocks = tiny.get(key)
+        if tiny_blocks is not None:
+            tiny.move_to_end(key)
+            sample[2] += tiny_blocks
+        size = blocks if blocks is not None else tiny_blocks
+        if size is None:
+            size = self._blocks.get(key)
+        if size is None:
+            self._unsized = key  # a miss: its size comes with the save
+        else:
+            if blocks is None:
+                self._lru.insert(key, size)
+            if tiny_blocks is None:
+                self._tiny.insert(key, size)
+            sample[0] += size
+            if sample[0] >= self._sample_blocks:
+                self._end_sample()
+        if key in self._refused.sizes:
+            self._refused.pop(key)
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
         recency, main = self._ghosts
-        blocks = recency.pop(key)
-        if blocks is not None:
-            step = blocks * max(1.0, main.blocks / max(recency.blocks, 1))
-            self.window_target = min(self.window_target + step, float(self.capacity))
-            return
-        blocks = main.pop(key)
-        if blocks is not None:
-            step = blocks * max(1.0, recency.blocks / max(main.blocks, 1))
-            self.window_target = max(self.window_target - step, self.min_window)
-            self._rebalance()
+        if key in recency.sizes:
+            blocks = recency.pop(key) or 0
+            if not self.recency_mode:
+                step = blocks * max(1.0, main.blocks / max(recency.blocks, 1))
+                self.window_target = min(self.window_target + step, float(self.capacity))
+        elif key in main.sizes:
+            blocks = main.pop(key) or 0
+            if not self.recency_mode:
+                step = blocks * max(1.0, recency.blocks / max(main.blocks, 1))
+                self.window_target = max(self.window_target - step, self.min_window)
+                self._rebalance()
 
     def admit(self, key: str, num_blocks: int) -> bool:
-        if self.sketch.estimate(key) >= 2 or key in self._ghosts[0] or key in self._ghosts[1]:
+        if key == self._unsized:
+            self._learn_size(key, num_blocks)
+        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
+        if self.sketch.estimate_hash(digest) >= 2:
             return True
         if self._let_first_sighting_in(key):
             return True
-        for _ in self._refused.add(key, num_blocks):
+        for _ in range(self._refused.add(key, num_blocks)):
             self._payoff(False)  # forgotten without coming back: refusing it was right
         return False
 
     def on_insert(self, key: str, num_blocks: int) -> None:
+        if key == self._unsized:  # saved without asking `admit` (a forced save)
+            self._learn_size(key, num_blocks)
         self._segment[key] = _WINDOW
         self._blocks[key] = num_blocks
         self._bytes[_WINDOW] += num_blocks
         self._used += num_blocks
-        self._sample[0] += num_blocks  # a save follows a miss
-        if key not in self._shadow:
-            self._shadow_insert(key, num_blocks)
-        self._rebalance()
+        if self._bytes[_WINDOW] > self.window_target:
+            self._rebalance()
 
     def on_evictable(self, key: str, num_blocks: int) -> None:
         segment = self._segment.get(key)
@@ -551,23 +635,26 @@ class WTinyLFUPolicy(_FirstSightingGate):
             self.on_insert(key, num_blocks)
             segment = _WINDOW
         self._order[segment][key] = None
-        self._rebalance()
+        if segment == _WINDOW:
+            if self._bytes[_WINDOW] > self.window_target:
+                self._rebalance()
+        elif segment == _PROTECTED:
+            self._demote_protected()  # it may have been held through a demotion
 
     def on_held(self, key: str) -> None:
         segment = self._segment.get(key)
         if segment is None:
             return
         self._order[segment].pop(key, None)
-        self._trial_outcome(key, paid_off=True)
-        blocks = self._blocks[key]
-        self._sample[0] += blocks
-        self._sample[1] += blocks
-        self._end_sample_if_due()
-        if segment == _PROBATION:
+        if key in self._trial:
+            self._trial_outcome(key, paid_off=True)
+        if segment == _WINDOW:
+            return
+        if self.recency_mode or segment == _OUTGOING:
+            self._move(key, _WINDOW)  # a loser hit again was worth keeping after all
+        elif segment == _PROBATION:
             self._move(key, _PROTECTED)
             self._demote_protected()
-        elif segment == _OUTGOING:
-            self._move(key, _WINDOW)  # it was worth keeping after all
 
     def on_removed(self, key: str) -> None:
         segment = self._segment.pop(key, None)
@@ -577,7 +664,8 @@ class WTinyLFUPolicy(_FirstSightingGate):
         self._bytes[segment] -= blocks
         self._used -= blocks
         self._order[segment].pop(key, None)
-        self._trial_outcome(key, paid_off=False)
+        if key in self._trial:
+            self._trial_outcome(key, paid_off=False)
         self._ghosts[segment in (_PROBATION, _PROTECTED)].add(key, blocks)
 
     # ---------------------------------------------------------- queries
@@ -597,41 +685,53 @@ class WTinyLFUPolicy(_FirstSightingGate):
         return dict(zip(names, self._bytes, strict=True))
 
     def tracked_keys(self) -> set[str]:
-        """Every key the policy keeps state for (entries, ghosts, trials, shadow)."""
+        """Every key the policy keeps state for (entries, ghosts, trials, shadows)."""
         ghosts = self._ghosts[0].keys() | self._ghosts[1].keys() | self._refused.keys()
-        return set(self._segment) | ghosts | self._trial | set(self._shadow)
+        shadows = self._lru.keys() | self._tiny.keys()
+        return set(self._segment) | ghosts | self._trial | shadows
 
-    # -------------------------------------------------------- LRU guard
+    # ------------------------------------------------------- the guard
 
-    def _feed_shadow(self, key: str) -> None:
-        blocks = self._shadow.get(key)
-        if blocks is not None:
-            self._shadow.move_to_end(key)
-            self._sample[2] += blocks
-        else:
-            blocks = self._blocks.get(key)  # a miss's size is known once it is saved
-            if blocks is not None:
-                self._shadow_insert(key, blocks)
+    def _learn_size(self, key: str, blocks: int) -> None:
+        """The size of the last requested key, a miss everywhere: the shadows save it."""
+        self._unsized = None
+        self._lru.insert(key, blocks)
+        self._tiny.insert(key, blocks)
+        self._sample[0] += blocks
+        if self._sample[0] >= self._sample_blocks:
+            self._end_sample()
 
-    def _shadow_insert(self, key: str, blocks: int) -> None:
-        if not 0 < blocks <= self.capacity:
-            return  # zero-block entries weigh nothing; so the shadow holds <= capacity keys
-        self._shadow[key] = blocks
-        self._shadow_used += blocks
-        while self._shadow_used > self.capacity:
-            _, gone = self._shadow.popitem(last=False)
-            self._shadow_used -= gone
+    def _grow_sketch(self) -> None:
+        sketch = self.sketch
+        sketch.resize(len(self._blocks) * 16)
+        full = sketch.width >= sketch.max_width
+        self._sketch_full_at = len(self._blocks) + (1 << 62) if full else sketch.width // 4
 
-    def _end_sample_if_due(self) -> None:
-        """Once a pool's worth of blocks was requested: if plain LRU would have
-        served more of them, grow the window by `lru_guard_step` of the pool."""
-        requested, ours, shadow = self._sample
-        if requested < self.lru_guard_sample * self.capacity:
-            return
+    def _end_sample(self) -> None:
+        """Take the side of the shadow that served more of the sample's blocks."""
+        requested, lru, tiny = self._sample
         self._sample = [0, 0, 0]
-        if shadow > ours + self.lru_guard_margin * requested:
-            step = self.lru_guard_step * self.capacity
-            self.window_target = min(self.window_target + step, float(self.capacity))
+        margin = self.guard_margin * requested
+        if not self.recency_mode and lru > tiny + margin:
+            self._set_recency_mode(True)
+        elif self.recency_mode and tiny > lru + margin:
+            self._set_recency_mode(False)
+
+    def _set_recency_mode(self, on: bool) -> None:
+        self.recency_mode = on
+        self.mode_changes += 1
+        self.window_target = float(self.capacity) if on else self.initial_window
+        if on:
+            # Duel losers are the newest entries outside the window: they join
+            # its least recent end, in their order; main drains through
+            # probation, which goes first.
+            losers = list(self._order[_OUTGOING])
+            for key in [k for k, segment in self._segment.items() if segment == _OUTGOING]:
+                self._move(key, _WINDOW)
+            window = self._order[_WINDOW]
+            for key in reversed(losers):
+                window.move_to_end(key, last=False)
+        self._rebalance()
 
     # -------------------------------------------------------- internals
 
@@ -663,11 +763,12 @@ class WTinyLFUPolicy(_FirstSightingGate):
         size = self._blocks[candidate]
         if self.capacity - self._used >= size:
             return True  # the pool still has room for another item like it
+        estimate = self.sketch.estimate
         weighted = covered = seen = 0
         for segment in (_PROBATION, _PROTECTED):
             for victim in self._order[segment]:
                 blocks = self._blocks[victim]
-                weighted += self.sketch.estimate(victim) * blocks
+                weighted += estimate(victim) * blocks
                 covered += blocks
                 seen += 1
                 if covered >= size or seen >= self.max_duel_victims:
@@ -676,7 +777,86 @@ class WTinyLFUPolicy(_FirstSightingGate):
                 break
         if covered == 0:
             return True  # nothing in main to protect
-        return self.sketch.estimate(candidate) * covered > weighted
+        return estimate(candidate) * covered > weighted
+
+
+class _ShadowLRU:
+    """A plain LRU of `capacity` blocks over keys and sizes only (no blocks).
+
+    Holds at most `capacity` blocks (so at most `capacity` keys of one block
+    or more; zero-block and larger-than-capacity items are never held).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.order: OrderedDict[str, int] = OrderedDict()
+        """Key -> blocks, least recent first; the policy serves hits from it directly."""
+
+    def keys(self) -> set[str]:
+        return set(self.order)
+
+    def insert(self, key: str, blocks: int) -> None:
+        """Save a missed item, evicting least recent first."""
+        if not 0 < blocks <= self.capacity:
+            return
+        order = self.order
+        order[key] = blocks
+        self.used += blocks
+        while self.used > self.capacity:
+            self.used -= order.popitem(last=False)[1]
+
+
+class _ShadowTinyLFU:
+    """The frequency expert: W-TinyLFU over keys and sizes only (no blocks).
+
+    A window LRU of `window_fraction` of `capacity` blocks; its least recent
+    items duel (the policy's sketch, block-weighted) for a place in an LRU
+    main part holding the rest. Holds at most `capacity` blocks.
+    """
+
+    def __init__(self, capacity: int, window_fraction: float, sketch: FrequencySketch) -> None:
+        self.window_capacity = max(int(capacity * window_fraction), 1)
+        self.main_capacity = max(capacity - self.window_capacity, 0)
+        self.sketch = sketch
+        # Key -> blocks, least recent first; the policy serves hits from them directly.
+        self.window: OrderedDict[str, int] = OrderedDict()
+        self.main: OrderedDict[str, int] = OrderedDict()
+        self.window_used = 0
+        self.main_used = 0
+
+    def keys(self) -> set[str]:
+        return set(self.window) | set(self.main)
+
+    def insert(self, key: str, blocks: int) -> None:
+        """Save a missed item in the window; overflow duels for main."""
+        if not 0 < blocks <= self.main_capacity:
+            return
+        window = self.window
+        window[key] = blocks
+        self.window_used += blocks
+        while self.window_used > self.window_capacity:
+            candidate, size = window.popitem(last=False)
+            self.window_used -= size
+            self._offer(candidate, size)
+
+    def _offer(self, candidate: str, size: int) -> None:
+        main = self.main
+        excess = self.main_used + size - self.main_capacity
+        if excess > 0:
+            estimate = self.sketch.estimate
+            weighted = covered = 0
+            for victim, blocks in main.items():
+                weighted += estimate(victim) * blocks
+                covered += blocks
+                if covered >= excess:
+                    break
+            if estimate(candidate) * covered <= weighted:
+                return  # lost the duel: dropped
+            while self.main_used + size > self.main_capacity:
+                self.main_used -= main.popitem(last=False)[1]
+        main[candidate] = size
+        self.main_used += size
 
 
 class _Ghosts:
@@ -687,31 +867,31 @@ class _Ghosts:
         self.max_blocks = max_blocks
         self.max_entries = max_entries
         self.blocks = 0
-        self._keys: OrderedDict[str, int] = OrderedDict()
+        self.sizes: OrderedDict[str, int] = OrderedDict()
+        """Key -> blocks, oldest first (read directly on the policy's hot path)."""
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self.sizes
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.sizes)
 
     def keys(self) -> set[str]:
-        return set(self._keys)
+        return set(self.sizes)
 
-    def add(self, key: str, blocks: int) -> list[str]:
-        """Remember `key`; the keys forgotten to make room for it, oldest first."""
-        self.pop(key)
-        self._keys[key] = blocks
-        self.blocks += blocks
-        forgotten: list[str] = []
-        while self._keys and (self.blocks > self.max_blocks or len(self._keys) > self.max_entries):
-            old, gone = self._keys.popitem(last=False)
-            self.blocks -= gone
-            forgotten.append(old)
+    def add(self, key: str, blocks: int) -> int:
+        """Remember `key`; how many older keys were forgotten to make room for it."""
+        sizes = self.sizes
+        self.blocks += blocks - sizes.pop(key, 0)
+        sizes[key] = blocks
+        forgotten = 0
+        while self.blocks > self.max_blocks or len(sizes) > self.max_entries:
+            self.blocks -= sizes.popitem(last=False)[1]
+            forgotten += 1
         return forgotten
 
     def pop(self, key: str) -> int | None:
-        blocks = self._keys.pop(key, None)
+        blocks = self.sizes.pop(key, None)
         if blocks is not None:
             self.blocks -= blocks
         return blocks
