@@ -4,9 +4,10 @@
 
 For entries of 1, 8 and 64 MB (bf16 rows of width 4096, so 8 KiB blocks), it
 times a save and a load through the real `CpuECCPUWorker` and a real shared
-region — descriptor building, the copy, the report — and, side by side, one
-`memcpy` (`ctypes.memmove`) of the same number of bytes between the same kind
-of memory:
+region — the whole engine step vLLM runs on a worker: `bind`, `save_caches` or
+`start_load_caches`, `get_finished`, `build_connector_worker_meta` (descriptor
+building, the copy, the report) — and, side by side, one `memcpy`
+(`ctypes.memmove`) of the same number of bytes between the same kind of memory:
 
 * save:  encoder output (host tensor) → region;  memcpy tensor → region
 * load:  region → a fresh per-entry tensor;      memcpy region → fresh tensor
@@ -20,6 +21,13 @@ warm memory; the `load-new` row times it with nothing to recycle (the pool
 keeps nothing: such a load gets fresh, pre-faulted memory), what the first
 load of a size costs. Smaller entries are not pooled, so for them the two
 rows time the same path. Medians over the repeats, all sides timed in turns.
+
+The `16x1MB` rows time one engine step that saves (loads) 16 entries of 1 MB
+each — 16 encoder outputs in one step, each its own run of blocks — against 16
+memcpys of 1 MB between the same addresses (16 fresh tensors for a load; 16
+warm 1 MB buffers for the warm column): the fixed cost of a step is paid once
+for the 16 entries, the per-entry cost 16 times. The single-entry rows above
+are unchanged: one 1 MB entry per step against one 1 MB memcpy.
 """
 
 from __future__ import annotations
@@ -39,24 +47,39 @@ from ectools.tiny_blip2 import TinyBlip2, write_config_only
 
 WIDTH = 4096
 SIZES_MB = (1, 8, 64)
+BATCH = (16, 1)
+"""One step of 16 entries of 1 MB each (the `16x1MB` rows)."""
 
 
-def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
-    """Table rows (save, load, load-new) for one entry size."""
+def measure(worker: CpuECCPUWorker, mb: int, repeats: int, count: int = 1) -> list[str]:
+    """Table rows (save, load, load-new) for one step of `count` entries of `mb` MB each."""
     nbytes = mb * 2**20
     rows = nbytes // (WIDTH * 2)
-    blocks = list(range(rows))  # one run: what the allocator hands out
-    source = torch.randn(rows, WIDTH).to(torch.bfloat16)
-    save_meta = ECCPUConnectorMetadata(saves={"e": blocks}, save_shapes={"e": (rows, WIDTH)})
-    load_meta = ECCPUConnectorMetadata(loads={"e": (0, blocks, (rows, WIDTH))})
+    keys = [f"e{i}" for i in range(count)]
+    # Entry i gets blocks [i * rows, (i + 1) * rows): one run each, what the allocator
+    # hands out.
+    blocks = {key: list(range(i * rows, (i + 1) * rows)) for i, key in enumerate(keys)}
+    sources = {key: torch.randn(rows, WIDTH).to(torch.bfloat16) for key in keys}
+    save_meta = ECCPUConnectorMetadata(saves=blocks, save_shapes=dict.fromkeys(keys, (rows, WIDTH)))
+    load_meta = ECCPUConnectorMetadata(
+        loads={key: (i, blocks[key], (rows, WIDTH)) for i, key in enumerate(keys)}
+    )
     region_addr = worker.region.base_address
-    warm = torch.zeros(nbytes, dtype=torch.uint8)
+    block_size = worker.block_size
+    spans = [  # (region address, source address) per entry, as the worker copies them
+        (region_addr + blocks[key][0] * block_size, sources[key].data_ptr()) for key in keys
+    ]
+    warm = [torch.zeros(nbytes, dtype=torch.uint8) for _ in keys]
+    warm_spans = [
+        (buffer.data_ptr(), region) for buffer, (region, _) in zip(warm, spans, strict=True)
+    ]
 
     def save() -> None:
         worker.bind(save_meta)
-        worker.save_caches({"e": source}, "e", save_meta)
+        for key in keys:
+            worker.save_caches(sources, key, save_meta)
         worker.get_finished()
-        assert worker.build_connector_worker_meta().completed_saves == ["e"]
+        assert len(worker.build_connector_worker_meta().completed_saves) == count
 
     loaded: dict[str, torch.Tensor] = {}
 
@@ -68,14 +91,19 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
         worker.build_connector_worker_meta()
 
     def memcpy_save() -> None:
-        ctypes.memmove(region_addr, source.data_ptr(), nbytes)
+        for region, source in spans:
+            ctypes.memmove(region, source, nbytes)
 
     def memcpy_load_fresh() -> None:
-        fresh = torch.empty(nbytes, dtype=torch.uint8)
-        ctypes.memmove(fresh.data_ptr(), region_addr, nbytes)
+        fresh = []
+        for region, _ in spans:
+            tensor = torch.empty(nbytes, dtype=torch.uint8)
+            ctypes.memmove(tensor.data_ptr(), region, nbytes)
+            fresh.append(tensor)
 
     def memcpy_warm() -> None:
-        ctypes.memmove(warm.data_ptr(), region_addr, nbytes)
+        for buffer, region in warm_spans:
+            ctypes.memmove(buffer, region, nbytes)
 
     def load_new() -> None:
         pool = worker.load_pool
@@ -85,11 +113,16 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
         finally:
             pool.idle_limit = limit
 
+    def round_trip_exact() -> bool:
+        return len(loaded) == count and all(torch.equal(loaded[k], sources[k]) for k in keys)
+
     save()
     load()
-    assert torch.equal(loaded["e"], source), "round trip must be byte-exact"
+    assert round_trip_exact(), "round trip must be byte-exact"
     load_new()
-    assert torch.equal(loaded["e"], source), "round trip must be byte-exact"
+    assert round_trip_exact(), "round trip must be byte-exact"
+    label = f"{mb}MB" if count == 1 else f"{count}x{mb}MB"
+    total = nbytes * count
     lines = []
     for op, ours, base in (
         ("save", save, memcpy_save),
@@ -98,14 +131,15 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int) -> list[str]:
     ):
         ours_s, base_s, warm_s = medians_in_turns([ours, base, memcpy_warm], repeats)
         lines.append(
-            f"{mb:>5}MB {op:>8} {nbytes / ours_s / 1e9:>12.2f} {nbytes / base_s / 1e9:>12.2f} "
-            f"{base_s / ours_s:>6.2f} {nbytes / warm_s / 1e9:>12.2f} {warm_s / ours_s:>11.2f}"
+            f"{label:>7} {op:>8} {total / ours_s / 1e9:>12.2f} {total / base_s / 1e9:>12.2f} "
+            f"{base_s / ours_s:>6.2f} {total / warm_s / 1e9:>12.2f} {warm_s / ours_s:>11.2f}"
         )
     return lines
 
 
 def table(repeats: int = 15) -> list[str]:
-    """Table 4 lines: the CPU backend's worker vs memcpy for 1, 8 and 64 MB entries."""
+    """Table 4 lines: the CPU backend's worker vs memcpy for one 1, 8 or 64 MB entry
+    per step, and for a step of 16 entries of 1 MB."""
     torch.set_num_threads(1)
     region_dir = tempfile.mkdtemp(prefix="ec-bench-region-")
     model_dir = write_config_only(
@@ -124,13 +158,15 @@ def table(repeats: int = 15) -> list[str]:
         "tensor); warm ratio = worker / memcpy into memory already touched, the ceiling; load "
         "= steady state: from 32 MiB on into the recycled buffer of the entry vLLM freed "
         "before; load-new = nothing recycled, from 32 MiB on a fresh pre-faulted buffer "
-        "(below 32 MiB both rows are the same path); all three timed in turns)",
+        "(below 32 MiB both rows are the same path); 16x1MB = one step of 16 entries of 1 MB "
+        "vs 16 memcpys of 1 MB; all three timed in turns)",
         f"{'entry':>7} {'op':>8} {'worker GB/s':>12} {'memcpy GB/s':>12} "
         f"{'ratio':>6} {'memcpy warm':>12} {'warm ratio':>11}",
     ]
     try:
         for mb in SIZES_MB:
             lines.extend(measure(worker, mb, repeats))
+        lines.extend(measure(worker, BATCH[1], repeats, count=BATCH[0]))
     finally:
         worker.shutdown()
     return lines

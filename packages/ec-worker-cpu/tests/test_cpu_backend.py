@@ -310,3 +310,56 @@ def test_loads_recycle_the_buffers_of_entries_vllm_freed(config: Any) -> None:
         assert worker.load_pool.fresh == 2  # one for `kept`, one recycled three times
     finally:
         worker.shutdown()
+
+
+def test_a_step_of_several_entries_reports_each_once_with_its_figures(config: Any) -> None:
+    """Saves of one run and of several runs, a shape sent as a list, and a source of
+    the wrong shape in one step; then their loads: the bytes come back exact, each
+    copy is acknowledged once with its step, the copied bytes are in the figures,
+    nothing stays in flight, and only the wrong source is reported failed."""
+    worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
+    row = WIDTH * 4
+    try:
+        a, b, bad = torch.randn(4, WIDTH), torch.randn(3, WIDTH), torch.randn(2, WIDTH)
+        blocks = {"a": [10, 11, 12, 13], "b": [30, 5, 6], "bad": [40, 41, 42]}
+        assert worker.block_size == row
+        meta = ECCPUConnectorMetadata(
+            saves=blocks,
+            save_shapes={"a": (4, WIDTH), "b": [3, WIDTH], "bad": (3, WIDTH)},  # type: ignore[dict-item]
+            step=7,
+        )
+        cache = {"a": a, "b": b, "bad": bad}
+        worker.bind(meta)
+        for key in cache:
+            worker.save_caches(cache, key, meta)
+        worker.get_finished()
+        report = worker.build_connector_worker_meta()
+        assert report.completed_saves == ["a", "b"]
+        assert report.save_acks == [(0, 7, "a"), (0, 7, "b")]
+        assert report.failed_saves == [(0, 7, "bad")]
+        assert report.stats["bytes_saved"] == 7 * row and report.stats["save_copy_seconds"] >= 0
+        assert report.progress == [(0, 7, 7)] and worker.num_inflight == 0
+
+        loads = ECCPUConnectorMetadata(
+            loads={"b": (2, blocks["b"], (3, WIDTH)), "a": (1, blocks["a"], (4, WIDTH))}, step=8
+        )
+        loaded: dict[str, torch.Tensor] = {}
+        worker.bind(loads)
+        worker.start_load_caches(loaded, loads)
+        worker.get_finished()
+        report = worker.build_connector_worker_meta()
+        assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
+        assert loaded["a"].data_ptr() != loaded["b"].data_ptr()
+        assert sorted(report.completed_loads) == [1, 2]
+        assert sorted(report.load_acks) == [(0, 1), (0, 2)]
+        assert report.stats["bytes_loaded"] == 7 * row and report.completed_saves == []
+        assert report.progress == [(0, 8, 8)] and worker.num_inflight == 0
+
+        worker.bind(ECCPUConnectorMetadata(step=9))
+        worker.get_finished()
+        report = worker.build_connector_worker_meta()
+        assert report.completed_saves == [] and report.completed_loads == []
+        assert report.save_acks == [] and report.load_acks == [] and report.stats == {}
+        assert report.progress == [(0, 9, 9)]
+    finally:
+        worker.shutdown()

@@ -21,7 +21,7 @@ class ECCPULoadError(RuntimeError):
     """
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingSave:
     """A save queued for this step's batch."""
 
@@ -35,7 +35,7 @@ class PendingSave:
     """`block_runs(block_ids)`, computed once (the save path checks the bounds on them)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedLoad:
     """A load of this step: its entry, blocks, shape and size in bytes."""
 
@@ -44,7 +44,7 @@ class PlannedLoad:
     block_ids: list[int]
     shape: tuple[int, int]
     nbytes: int
-    runs: list[tuple[int, int]] | None = None
+    runs: list[tuple[int, int]]
     """`block_runs(block_ids)`, computed once (plan_load checks the bounds on them)."""
 
 
@@ -64,9 +64,13 @@ def plan_load(
     rows, cols = shape
     nbytes = rows * cols * dtype.itemsize
     runs = block_runs(block_ids)  # one pass over the ids; the bounds are the runs' ends
-    outside = False
-    for first, count in runs:
-        outside = outside or first < 0 or first + count > num_blocks
+    if len(runs) == 1:
+        first, count = runs[0]
+        outside = first < 0 or first + count > num_blocks
+    else:
+        outside = False
+        for first, count in runs:
+            outside = outside or first < 0 or first + count > num_blocks
     if nbytes > len(block_ids) * block_size or outside:
         raise ECCPULoadError(
             f"EC CPU tier: the load of {key!r} (transfer {tid}) names {len(block_ids)} "

@@ -2,7 +2,9 @@
 
 Runs in worker processes. `InFlight` keeps them in submission order, hands
 the landed ones to the step's report (acknowledgements and measured figures),
-and says up to which step everything has settled.
+and says up to which step everything has settled. A batch that had landed
+when it was submitted (a synchronous backend, a fallback copy) is not kept
+as a batch at all: its acknowledgements wait in plain lists for the report.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ec_core.worker_process.transfer import TransferDirection, TransferHandle
 logger = get_logger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Transfer:
     """One submitted batch and what to report when it lands."""
 
@@ -36,21 +38,48 @@ class Transfer:
     """Tensors the copies read or write; held until the batch has landed."""
 
 
-def _add(stats: dict[str, float], name: str, value: float) -> None:
-    stats[name] = stats.get(name, 0.0) + value
-
-
 class InFlight:
     """Submitted batches, until they land and are reported."""
 
     def __init__(self) -> None:
         self._transfers: list[Transfer] = []
+        self._landed_saves: list[tuple[int, str]] = []
+        """`(step, mm_hash)` of saves that landed on submission, not yet reported."""
+        self._landed_loads: list[int] = []
+        """Transfer ids of loads that landed on submission, not yet reported."""
+        self._landed_figures = [0.0, 0.0, 0.0, 0.0]
+        """bytes saved, save seconds, bytes loaded, load seconds of the landed ones."""
 
     def __len__(self) -> int:
+        """Batches still in flight (not the landed ones waiting for the report)."""
         return len(self._transfers)
 
     def add(self, transfer: Transfer) -> None:
         self._transfers.append(transfer)
+
+    def add_landed(
+        self,
+        direction: TransferDirection,
+        step: int,
+        *,
+        keys: list[str],
+        tids: list[int],
+        nbytes: int,
+        seconds: float,
+    ) -> None:
+        """Record a batch whose copies had all landed before it was handed over.
+
+        It holds no tensor and no handle; the next `harvest` reports it (after
+        the batches still tracked) exactly as it would a tracked batch."""
+        figures = self._landed_figures
+        if direction is TransferDirection.DEVICE_TO_HOST:
+            self._landed_saves.extend([(step, key) for key in keys])
+            figures[0] += nbytes
+            figures[1] += seconds
+        else:
+            self._landed_loads.extend(tids)
+            figures[2] += nbytes
+            figures[3] += seconds
 
     def settled_through(self, step: int, unsubmitted: Iterable[int] = ()) -> int:
         """The last step all of whose copies have landed or failed.
@@ -58,29 +87,59 @@ class InFlight:
         `step` is the newest step the worker was handed; `unsubmitted` are the
         steps of copies queued but not submitted yet.
         """
-        steps = [t.step for t in self._transfers] + list(unsubmitted)
+        transfers = self._transfers
+        if not transfers and not unsubmitted:
+            return step
+        steps = [t.step for t in transfers]
+        steps.extend(unsubmitted)
         return min(steps) - 1 if steps else step
 
     def harvest(self, rank: int, report: ECCPUWorkerReport) -> None:
         """Move every landed batch into `report` (acks and figures) and release it."""
+        if self._transfers:
+            self._harvest_tracked(rank, report)
+        saves, loads = self._landed_saves, self._landed_loads
+        if saves or loads:
+            figures = self._landed_figures
+            stats = report.stats
+            if saves:
+                report.completed_saves.extend([key for _, key in saves])
+                report.save_acks.extend([(rank, step, key) for step, key in saves])
+                self._landed_saves = []
+                stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + figures[0]
+                stats["save_copy_seconds"] = stats.get("save_copy_seconds", 0.0) + figures[1]
+            if loads:
+                report.completed_loads.extend(loads)
+                report.load_acks.extend([(rank, tid) for tid in loads])
+                self._landed_loads = []
+                stats["bytes_loaded"] = stats.get("bytes_loaded", 0.0) + figures[2]
+                stats["load_copy_seconds"] = stats.get("load_copy_seconds", 0.0) + figures[3]
+            self._landed_figures = [0.0, 0.0, 0.0, 0.0]
+
+    def _harvest_tracked(self, rank: int, report: ECCPUWorkerReport) -> None:
         still: list[Transfer] = []
+        stats = report.stats
         for transfer in self._transfers:
-            if not transfer.handle.query():
+            handle = transfer.handle
+            if not handle.query():
                 still.append(transfer)
                 continue
-            seconds = transfer.handle.elapsed_seconds() or 0.0
-            transfer.handle.release()
+            seconds = handle.elapsed_seconds() or 0.0
+            handle.release()
             transfer.keepalive.clear()
             if transfer.direction is TransferDirection.DEVICE_TO_HOST:
-                report.completed_saves.extend(transfer.keys)
-                report.save_acks.extend((rank, transfer.step, key) for key in transfer.keys)
-                _add(report.stats, "bytes_saved", transfer.nbytes)
-                _add(report.stats, "save_copy_seconds", seconds)
+                keys = transfer.keys
+                report.completed_saves.extend(keys)
+                step = transfer.step
+                report.save_acks.extend([(rank, step, key) for key in keys])
+                stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + transfer.nbytes
+                stats["save_copy_seconds"] = stats.get("save_copy_seconds", 0.0) + seconds
             else:
-                report.completed_loads.extend(transfer.tids)
-                report.load_acks.extend((rank, tid) for tid in transfer.tids)
-                _add(report.stats, "bytes_loaded", transfer.nbytes)
-                _add(report.stats, "load_copy_seconds", seconds)
+                tids = transfer.tids
+                report.completed_loads.extend(tids)
+                report.load_acks.extend([(rank, tid) for tid in tids])
+                stats["bytes_loaded"] = stats.get("bytes_loaded", 0.0) + transfer.nbytes
+                stats["load_copy_seconds"] = stats.get("load_copy_seconds", 0.0) + seconds
         self._transfers = still
 
     def drain(self) -> None:

@@ -46,6 +46,13 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+
+def _first_block_of_load(item: tuple[str, tuple[int, list[int], tuple[int, int]]]) -> int:
+    """Sort key of a load: its first block (an entry without blocks first)."""
+    block_ids = item[1][1]
+    return block_ids[0] if block_ids else -1
+
+
 SAVE = TransferDirection.DEVICE_TO_HOST
 LOAD = TransferDirection.HOST_TO_DEVICE
 
@@ -99,6 +106,8 @@ class ECCPUWorker(WorkerHooks):
         self.is_producer = bool(ec_config.is_ec_producer)
         self.is_consumer = bool(ec_config.is_ec_consumer)
         self.dtype = self.layout.dtype
+        self._itemsize = self.dtype.itemsize
+        self._backend_name = type(self).__name__
         self.block_size = self.layout.block_size_bytes
         self.rank_info = rank_info if rank_info is not None else detect_rank_info()
         self.saves_here = self.is_producer and self.rank_info.is_save_rank
@@ -162,55 +171,76 @@ class ECCPUWorker(WorkerHooks):
         or the submission failed) is copied synchronously. Raises
         ECCPULoadError only when an entry could be copied by neither path.
         """
-        if not metadata.loads or self._closed:
+        loads_asked = metadata.loads
+        if not loads_asked or self._closed:
             return
         # Ascending first block keeps the region reads in address order.
+        items = (
+            sorted(loads_asked.items(), key=_first_block_of_load)
+            if len(loads_asked) > 1
+            else loads_asked.items()
+        )
+        dtype = self.dtype
+        block_size = self.block_size
+        num_blocks = self.region.num_blocks
+        backend = self._backend_name
         loads = [
             plan_load(
                 key,
                 tid,
                 block_ids,
                 shape,
-                dtype=self.dtype,
-                block_size=self.block_size,
-                num_blocks=self.region.num_blocks,
-                backend=type(self).__name__,
+                dtype=dtype,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                backend=backend,
             )
-            for key, (tid, block_ids, shape) in (
-                sorted(metadata.loads.items(), key=lambda item: item[1][1][0] if item[1][1] else -1)
-                if len(metadata.loads) > 1
-                else metadata.loads.items()
-            )
+            for key, (tid, block_ids, shape) in items
         ]
-        staged: list[tuple[PlannedLoad, torch.Tensor]] = []
+        staged: list[PlannedLoad] = []
+        buffers: list[torch.Tensor] = []
         unstaged: list[tuple[PlannedLoad, torch.Tensor | None, Exception]] = []
         batch = DescriptorBatch()
+        region_base = self._region_base
+        new_buffer = self._new_entry_buffer
         for load in loads:
             try:
-                buffer = self._new_entry_buffer(load.shape, self.dtype)
+                buffer = new_buffer(load.shape, dtype)
             except Exception as exc:
                 unstaged.append((load, None, exc))
                 continue
-            batch.add_entry(
-                load.block_ids,
-                region_base=self._region_base,
-                block_size=self.block_size,
-                other_base=int(buffer.data_ptr()),
-                nbytes=load.nbytes,
-                to_region=False,
-                runs=load.runs,
-            )
-            staged.append((load, buffer))
+            runs = load.runs
+            if len(runs) == 1:  # the usual entry: one run, one descriptor (nbytes fit, as planned)
+                batch.add(region_base + runs[0][0] * block_size, buffer.data_ptr(), load.nbytes)
+            else:
+                batch.add_entry(
+                    load.block_ids,
+                    region_base=region_base,
+                    block_size=block_size,
+                    other_base=buffer.data_ptr(),
+                    nbytes=load.nbytes,
+                    to_region=False,
+                    runs=runs,
+                )
+            staged.append(load)
+            buffers.append(buffer)
         if staged:
-            cause = self._submit(
-                batch, LOAD, [buffer for _, buffer in staged], tids=[load.tid for load, _ in staged]
-            )
+            cause = self._submit(batch, LOAD, buffers, [], [load.tid for load in staged])
+            if cause is None and not unstaged:  # the usual step
+                for load, buffer in zip(staged, buffers, strict=True):
+                    encoder_cache[load.key] = buffer
+                return
             if cause is not None:
-                unstaged.extend((load, buffer, cause) for load, buffer in staged)
-                staged = []
+                unstaged.extend(
+                    (load, buffer, cause) for load, buffer in zip(staged, buffers, strict=True)
+                )
+                staged, buffers = [], []
+        # Every entry goes into the cache only once all have been copied (or none, if one
+        # cannot be: `_load_now` raises).
+        done = list(zip(staged, buffers, strict=True))
         for load, maybe_buffer, cause in unstaged:
-            staged.append((load, self._load_now(load, maybe_buffer, cause)))
-        for load, buffer in staged:
+            done.append((load, self._load_now(load, maybe_buffer, cause)))
+        for load, buffer in done:
             encoder_cache[load.key] = buffer
 
     def _load_now(
@@ -255,15 +285,27 @@ class ECCPUWorker(WorkerHooks):
             return  # reported as failed at the end of the step
         self._queued.add(mm_hash)
         shape = metadata.save_shapes.get(mm_hash)
-        problem = save_problem(
-            source, shape, block_ids, dtype=self.dtype, block_size=self.block_size
-        )
-        if problem is not None or shape is None:
-            self._fail_save(mm_hash, self._step, problem or "the scheduler sent no shape for it")
-            return
+        block_size = self.block_size
+        # The usual tensor passes on three compares (`torch.Size == tuple`); any
+        # other goes through `save_problem`, which says what is wrong, if anything.
+        if (
+            shape is None
+            or source.dtype != self.dtype
+            or source.shape != shape
+            or math.prod(shape) * self._itemsize > len(block_ids) * block_size
+        ):
+            problem = save_problem(
+                source, shape, block_ids, dtype=self.dtype, block_size=block_size
+            )
+            if problem is not None or shape is None:
+                self._fail_save(
+                    mm_hash, self._step, problem or "the scheduler sent no shape for it"
+                )
+                return
         runs = block_runs(block_ids)
         if len(runs) == 1:
-            lowest, end = runs[0][0], runs[0][0] + runs[0][1]
+            lowest, count = runs[0]
+            end = lowest + count
         elif runs:
             lowest, end = min(runs)[0], max(first + count for first, count in runs)
         else:
@@ -273,7 +315,7 @@ class ECCPUWorker(WorkerHooks):
             if problem is not None:
                 self._fail_save(mm_hash, self._step, problem, kind="save-unreserved")
                 return
-        nbytes = math.prod(shape) * self.dtype.itemsize  # == source's, as checked
+        nbytes = math.prod(shape) * self._itemsize  # == source's, as checked
         self._pending_saves.append(
             PendingSave(mm_hash, self._step, source.contiguous(), block_ids, nbytes, runs)
         )
@@ -300,22 +342,33 @@ class ECCPUWorker(WorkerHooks):
 
     def flush_saves(self) -> None:
         """Submit the queued saves as one batch (they all belong to one step)."""
-        pending, self._pending_saves = self._pending_saves, []
-        if not pending or self._closed:
+        pending = self._pending_saves
+        if not pending:
+            return
+        self._pending_saves = []
+        if self._closed:
             return
         batch = DescriptorBatch()
+        region_base = self._region_base
+        block_size = self.block_size
         for save in pending:
-            batch.add_entry(
-                save.block_ids,
-                region_base=self._region_base,
-                block_size=self.block_size,
-                other_base=int(save.source.data_ptr()),
-                nbytes=save.nbytes,
-                to_region=True,
-                runs=save.runs,
-            )
+            runs = save.runs
+            if runs is not None and len(runs) == 1:  # one run, one descriptor (nbytes fit)
+                batch.add(
+                    save.source.data_ptr(), region_base + runs[0][0] * block_size, save.nbytes
+                )
+            else:
+                batch.add_entry(
+                    save.block_ids,
+                    region_base=region_base,
+                    block_size=block_size,
+                    other_base=save.source.data_ptr(),
+                    nbytes=save.nbytes,
+                    to_region=True,
+                    runs=runs,
+                )
         cause = self._submit(
-            batch, SAVE, [save.source for save in pending], keys=[save.key for save in pending]
+            batch, SAVE, [save.source for save in pending], [save.key for save in pending], []
         )
         if cause is not None:
             for save in pending:
@@ -343,11 +396,13 @@ class ECCPUWorker(WorkerHooks):
         batch: DescriptorBatch,
         direction: TransferDirection,
         keepalive: list[torch.Tensor],
-        *,
-        keys: Sequence[str] = (),
-        tids: Sequence[int] = (),
+        keys: list[str],
+        tids: list[int],
     ) -> Exception | None:
-        """Submit one batch and track it; on failure return the exception (never raise)."""
+        """Submit one batch and track it; on failure return the exception (never raise).
+
+        `keepalive`, `keys` and `tids` are kept as given (the caller built them
+        for this batch and does not touch them again)."""
         try:
             handle = self._submit_transfer(batch, direction, keepalive)
         except Exception as exc:
@@ -362,17 +417,19 @@ class ECCPUWorker(WorkerHooks):
                 exc,
             )
             return exc
-        self._inflight.add(
-            Transfer(
+        if type(handle) is CompletedTransfer:  # landed already: nothing to hold or poll
+            self._inflight.add_landed(
                 direction,
-                handle,
                 self._step,
-                keys=list(keys),
-                tids=list(tids),
+                keys=keys,
+                tids=tids,
                 nbytes=batch.nbytes,
-                keepalive=keepalive,
+                seconds=handle.seconds or 0.0,
             )
-        )
+        else:
+            self._inflight.add(
+                Transfer(direction, handle, self._step, keys, tids, batch.nbytes, keepalive)
+            )
         return None
 
     def _copy_entry_now(
@@ -398,16 +455,14 @@ class ECCPUWorker(WorkerHooks):
         tids: Sequence[int] = (),
         step: int | None = None,
     ) -> None:
-        """Track a copy that already landed, so it is reported like the batched ones."""
-        self._inflight.add(
-            Transfer(
-                direction,
-                CompletedTransfer(time.perf_counter() - began),
-                self._step if step is None else step,
-                keys=list(keys),
-                tids=list(tids),
-                nbytes=nbytes,
-            )
+        """Record a copy that already landed, so it is reported like the batched ones."""
+        self._inflight.add_landed(
+            direction,
+            self._step if step is None else step,
+            keys=list(keys),
+            tids=list(tids),
+            nbytes=nbytes,
+            seconds=time.perf_counter() - began,
         )
 
     # ----------------------------------------------------------- reporting
@@ -419,22 +474,29 @@ class ECCPUWorker(WorkerHooks):
         reached `save_caches` (the step failed, or the item was not encoded
         here) are reported failed, so their blocks come back at once.
         """
-        self.flush_saves()
-        if self.saves_here:
-            for key in self._bound_saves:
-                if key not in self._queued:
-                    self._failed_saves.append((self._step, key))
-        self._bound_saves = {}
+        if self._pending_saves:
+            self.flush_saves()
+        if self._bound_saves:
+            if self.saves_here:
+                queued = self._queued
+                for key in self._bound_saves:
+                    if key not in queued:
+                        self._failed_saves.append((self._step, key))
+            self._bound_saves = {}
         self._queued.clear()
 
     def settled_through(self) -> int:
         """The last step all of whose copies on this rank have landed or failed."""
-        return self._inflight.settled_through(self._step, (s.step for s in self._pending_saves))
+        pending = self._pending_saves
+        return self._inflight.settled_through(
+            self._step, [save.step for save in pending] if pending else ()
+        )
 
     def build_connector_worker_meta(self) -> ECCPUWorkerReport:
         """Report every batch that has landed, failed saves, fallbacks, and this rank's progress."""
         rank = self.rank_info.rank
-        report = ECCPUWorkerReport(group_size=self.rank_info.group_size)
+        report = ECCPUWorkerReport()
+        report.group_size = self.rank_info.group_size  # (a keyword costs more than this)
         self._inflight.harvest(rank, report)
         report.progress.append((rank, self._step, self.settled_through()))
         if self._failed_saves:
