@@ -15,9 +15,17 @@ core. The *consumer* measures, side by side in the same run:
   does, until none defers (lookup, lease, reservation, NIXL READ, ready); and raw
   NIXL READs of the same sizes and number between two plain agents in the
   same two processes (without a notification, like a fetch's READ);
+* fetch with a handle: the same, but each request carries the request-level
+  handle the producer's `request_finished` returned for its entry just before
+  (made outside the clock, as an encoder's response would bring it): the
+  consumer, which knows the producer's agent from the rows before, READs at
+  once and confirms the handle's lease (a claim) while the READ runs;
 * lookup round trip: 1, 8 and 64 concurrent signed lookups of a ready item
-  (each answered with a lease, then released), p50 and p99 at the client, and
-  the server thread's own time from message in to reply out.
+  from as many DEALER sockets (consumers), each answered with a lease, then
+  released: p50 and p99 at the client (the clock starts before the send and
+  stops when the client's poll reports the reply there), and the server
+  thread's time per lookup (its busy time over the lookups it answered) and
+  how many lookups it answered per batch.
 
 Everything runs twice: with UCX's default transports (same host: shared
 memory or CMA) and with `UCX_TLS=tcp` (what a cross-node path without RDMA
@@ -72,7 +80,10 @@ def _producer(model: str, region: str, address: str, pipe: Any) -> None:
     from ec_worker_cpu.worker import CpuECCPUWorker
     from ectools.driving import Item, StepDriver, connector_output, make_request
 
-    config = _config(model, Path(region), "ec_both", ec_peer_listen=address)
+    # Handle leases are opt-in; the `handle` rows measure them.
+    config = _config(
+        model, Path(region), "ec_both", ec_peer_listen=address, ec_peer_handle_lease_s=10
+    )
     scheduler = ECCPUScheduler(config)
     worker = CpuECCPUWorker(config, rank_info=RankInfo(0, True))
     for mb in SIZES_MB:
@@ -107,9 +118,19 @@ def _producer(model: str, region: str, address: str, pipe: Any) -> None:
             message = pipe.recv()
             if message == "stop":
                 break
-            if message == "answers":  # the server thread's own answer times
-                pipe.send(list(server.answer_seconds))
-                server.answer_seconds.clear()
+            if message == "answers":  # the server thread's own time per lookup
+                io = _zmq_io_cpu()
+                pipe.send(
+                    (server.busy_seconds, server.lookups_answered, list(server.batch_sizes), io)
+                )
+                server.busy_seconds, server.lookups_answered = 0.0, 0
+                server.batch_sizes.clear()
+            elif isinstance(message, tuple) and message[0] == "handles":
+                handles = []
+                for key, rows in message[1]:
+                    finished = make_request(f"h-{key}", [Item(key, rows)])
+                    handles.append(scheduler.request_finished(finished)[1])
+                pipe.send(handles)
             else:
                 step_s = message
                 pipe.send("ok")
@@ -126,6 +147,20 @@ def _producer(model: str, region: str, address: str, pipe: Any) -> None:
     pipe.send("done")
 
 
+def _zmq_io_cpu() -> float:
+    """CPU seconds this process's ZeroMQ I/O threads used so far (Linux /proc)."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if not (task / "comm").read_text().startswith("ZMQbg/IO"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 in ms."""
     ordered = sorted(samples)
@@ -139,7 +174,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
 
     from ec_scheduler import ECCPUScheduler
     from ec_transfer_nixl.agent import RegionAgent
-    from ec_transfer_nixl.wire import Lookup, Release, Reply, open_frames, seal
+    from ec_transfer_nixl.wire import Lookup, Release, Reply, open_frame, seal
     from ectools.driving import Item, make_request, scheduler_output
 
     ours, theirs = mp.get_context("spawn").Pipe()
@@ -156,14 +191,21 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     peer = agent.know(raw_name, raw_md)
     count = 0
 
-    def fetch(mb: int, n: int) -> float:
-        """Seconds until `n` entries of `mb` MB, asked by `n` requests at once, are ready."""
+    def fetch(mb: int, n: int, *, handles: bool = False) -> float:
+        """Seconds until `n` entries of `mb` MB, asked by `n` requests at once, are ready
+        (with `handles`: each request carries its entry's handle, made before)."""
         nonlocal count
         requests = []
         for j in range(n):
             count += 1
             key = f"entry-{mb}MB-{j}"
             requests.append(make_request(f"r{count}", [Item(key, _rows(mb))]))
+        if handles:
+            ours.send(("handles", [(r.mm_features[0].identifier, _rows(mb)) for r in requests]))
+            for request, params in zip(requests, ours.recv(), strict=True):
+                assert params is not None and "lease" in params["ec_cpu_tier"]
+                request.ec_transfer_params = params
+        fast = consumer.remote.fetcher.handle_reads  # type: ignore[union-attr]
         began = time.perf_counter()
         waiting = list(requests)
         empty_step = scheduler_output(0)
@@ -173,6 +215,8 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                 consumer.build_connector_meta(empty_step)
                 time.sleep(0.0001)
         took = time.perf_counter() - began
+        if handles:  # every request's READ began before any answer
+            assert consumer.remote.fetcher.handle_reads - fast == n  # type: ignore[union-attr]
         for request in requests:
             key = request.mm_features[0].identifier
             entry = consumer.allocator.get(key)
@@ -202,21 +246,25 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
         return took
 
     rows_out = []
-    for mb in SIZES_MB:
-        for n in sorted({1, BATCH[mb]}):
-            ours_s, raw_s = [], []
-            for repeat in range(repeats + 1):  # the first is a warm-up, not counted
-                took_ours, took_raw = fetch(mb, n), raw_read(mb, n)
-                if repeat:
-                    ours_s.append(took_ours)
-                    raw_s.append(took_raw)
-            mine, raw = statistics.median(ours_s), statistics.median(raw_s)
-            gbs = n * mb * 2**20 / 1e9
-            rows_out.append(
-                f"fetch {n:>2} x {mb:>2} MB  {gbs / mine:6.2f} GB/s {mine * 1e3:7.2f} ms"
-                f"  {gbs / raw:6.2f} GB/s {raw * 1e3:7.2f} ms  {raw / mine:5.2f}"
-            )
+    for label, handles in (("fetch ", False), ("handle", True)):
+        for mb in SIZES_MB:
+            for n in sorted({1, BATCH[mb]}):
+                ours_s, raw_s = [], []
+                for repeat in range(repeats + 1):  # the first is a warm-up, not counted
+                    took_ours, took_raw = fetch(mb, n, handles=handles), raw_read(mb, n)
+                    if repeat:
+                        ours_s.append(took_ours)
+                        raw_s.append(took_raw)
+                mine, raw = statistics.median(ours_s), statistics.median(raw_s)
+                gbs = n * mb * 2**20 / 1e9
+                rows_out.append(
+                    f"{label} {n:>2} x {mb:>2} MB  {gbs / mine:6.2f} GB/s {mine * 1e3:7.2f} ms"
+                    f"  {gbs / raw:6.2f} GB/s {raw * 1e3:7.2f} ms  {raw / mine:5.2f}"
+                )
     secret = SECRET.encode()
+    # The consumer's fetcher learned the producer's agent in the rows above: like it,
+    # the lookups say so, and their replies carry no agent metadata.
+    agent_name = next(iter(consumer.remote.fetcher._links.values())).agent  # type: ignore[union-attr]
     context = zmq.Context()
     key, rows = "entry-1MB-0", _rows(1)
     for step_s in STEPS_S:
@@ -231,12 +279,13 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                 sockets.append(sock)
             time.sleep(0.2)  # connections up
             samples: list[float] = []
-            poller = zmq.Poller()
-            for sock in sockets:
-                poller.register(sock, zmq.POLLIN)
+            ours.send("answers")  # reset the server's counts
+            _, _, _, io_before = ours.recv()
+            client_cpu, client_io = time.thread_time(), _zmq_io_cpu()
             for round_ in range(max(repeats * 4, 20)):
-                # Sealed before the clock starts, and the replies read off before they
-                # are checked: the client's own Python work is not the server's latency.
+                # Sealed before the clock starts, and the replies checked after the
+                # last one came: the client's own Python work is not the server's
+                # latency. A reply's clock stops when the poll reports it there.
                 sealed = [
                     seal(
                         Lookup(
@@ -244,32 +293,52 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                             time.time(),
                             consumer.remote.fingerprint,  # type: ignore[union-attr]
                             [(key, rows, WIDTH)],
+                            known_agent=agent_name,
                         ),
                         secret,
                     )
                     for i in range(clients)
                 ]
                 sent = {}
-                for sock, frames in zip(sockets, sealed, strict=True):
-                    sock.send_multipart(frames)
+                for sock, frame in zip(sockets, sealed, strict=True):
                     sent[sock] = time.perf_counter()
+                    sock.send(frame)
                 replies = {}
-                while len(replies) < clients:
-                    for sock, _ in poller.poll(5000):
-                        replies[sock] = sock.recv_multipart()
-                        samples.append(time.perf_counter() - sent[sock])
-                for sock, frames in replies.items():
-                    reply = open_frames(frames, secret)
+                pending = list(sockets)
+                while pending:  # polls only the sockets still waiting (a poll is O(n))
+                    ready = zmq.zmq_poll([(sock, zmq.POLLIN) for sock in pending], 5000)
+                    arrived = time.perf_counter()
+                    for sock, _ in ready:
+                        replies[sock] = sock.recv()
+                        samples.append(arrived - sent[sock])
+                    pending = [sock for sock in pending if sock not in replies]
+                for sock, frame in replies.items():
+                    reply = open_frame(frame, secret)
                     assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
                     release = Release(0, time.time(), reply.lease, [key])
-                    sock.send_multipart(seal(release, secret))
+                    sock.send(seal(release, secret))
+            client_cpu = time.thread_time() - client_cpu
+            client_io = _zmq_io_cpu() - client_io
             ours.send("answers")
             p50, p99 = _percentiles(samples)
-            s50, s99 = _percentiles(ours.recv())
+            busy, answered, batches, io_after = ours.recv()
+            n = len(samples)
+            # CPU per lookup (ms) of the four threads a lookup goes through, all on the
+            # core the producer's engine leaves: the client's Python thread and its
+            # ZeroMQ I/O thread, the server thread and the producer's I/O thread.
+            cpu = [
+                client_cpu / n,
+                client_io / n,
+                busy / max(answered, 1),
+                (io_after - io_before) / n,
+            ]
             rows_out.append(
                 f"lookup x{clients:<2} step {step_s * 1e3:3.0f} ms"
                 f"  p50 {p50:6.3f} p99 {p99:6.3f} ms"
-                f"  (server thread p50 {s50:5.3f} p99 {s99:5.3f} ms)"
+                f"  CPU/lookup ms: client {cpu[0] * 1e3:.3f} io {cpu[1] * 1e3:.3f}"
+                f" server {cpu[2] * 1e3:.3f} io {cpu[3] * 1e3:.3f}"
+                f" (sum x{clients} = {sum(cpu) * clients * 1e3:.1f} ms);"
+                f" batch p50 {statistics.median(batches):.0f} max {max(batches)}"
             )
             for sock in sockets:
                 sock.close(0)

@@ -73,6 +73,21 @@ def test_the_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
             "positive",
         ),
         ({"ec_peer_lease_s": 60}, "ec_both", "set ec_peer_listen or ec_peers"),
+        (
+            {"ec_peer_listen": "h:1", "ec_peer_secret": SECRET, "ec_peer_handle_lease_s": 31},
+            "ec_both",
+            "must not exceed ec_peer_lease_s",
+        ),
+        (
+            {"ec_peer_listen": "h:1", "ec_peer_secret": SECRET, "ec_peer_handle_lease_s": -1},
+            "ec_both",
+            "0 or a finite, positive",
+        ),
+        (
+            {"ec_peer_listen": "h:1", "ec_peer_secret": SECRET, "ec_peer_handle_lease_s": True},
+            "ec_both",
+            "number of seconds",
+        ),
     ],
 )
 def test_malformed_peer_settings_name_the_key_and_hide_the_secret(
@@ -97,3 +112,14 @@ def test_peer_keys_are_known_keys(
         role="ec_both",
     )
     assert not any("unknown" in r.getMessage() for r in ec_log.records)
+
+
+def test_handle_leases_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    base = {"ec_cpu_bytes": 4096, "ec_peer_listen": "h:1", "ec_peer_secret": SECRET}
+    settings = ECCPUSettings.from_extra_config(base, block_size_bytes=512, role="ec_both")
+    assert settings.peers is not None and settings.peers.handle_lease_s == 0
+    settings = ECCPUSettings.from_extra_config(
+        {**base, "ec_peer_handle_lease_s": "2.5"}, block_size_bytes=512, role="ec_both"
+    )
+    assert settings.peers is not None and settings.peers.handle_lease_s == 2.5

@@ -4,11 +4,15 @@ The Fetcher's steps are driven directly: its peers are fake sockets that record
 what it sends, its NIXL agent is a fake whose READs finish only when a rule says
 so (or never), and can refuse to cancel. Replies of every kind arrive in any
 order, late, or never; time jumps. Several requests' items are asked in one
-Lookup per peer, and the items one Reply leased are read with one READ.
+Lookup per peer, and the items one Reply leased are read with one READ. Some
+requests carry a handle's pre-granted lease: their READ starts at once (the
+first peer's agent is known) or after the claim's answer (the second's is not),
+and the claim is confirmed, refused, or confirmed with other spans.
 Checked after every rule:
 
   * a reservation is never freed while a READ into it may still run (the
     quarantine invariant);
+  * an entry becomes ready only from a READ whose lease the producer confirmed;
   * the allocator's own invariants hold;
   * a task whose deadline has passed is done.
 
@@ -37,8 +41,9 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries, Wanted
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import Fetcher, FetchTask, ItemFetch, _Link
+from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch, _Link
 from ec_transfer_nixl.wire import (
+    LAPSED,
     MISSING,
     OK,
     SAVING,
@@ -46,7 +51,7 @@ from ec_transfer_nixl.wire import (
     Lookup,
     Release,
     Reply,
-    open_frames,
+    open_frame,
 )
 
 SECRET = b"model-test-secret"
@@ -62,8 +67,8 @@ class FakeSocket:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-        self.sent.append(open_frames(frames, SECRET))
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self.sent.append(open_frame(frame, SECRET))
 
     def close(self, linger: int = 0) -> None:
         return None
@@ -88,7 +93,11 @@ class FakeAgent:
     refuse_cancel: bool = False
 
     def know(self, agent: str, metadata: bytes) -> str:
+        assert metadata, "an agent is known from its metadata"
         return agent
+
+    def forget(self, agent: str) -> None:
+        return None
 
     def read(self, peer: str, pieces: Any, notify: bytes = b"") -> FakeRead:
         assert notify == b"", "a notification would make the READ wait for the producer"
@@ -149,9 +158,11 @@ class FetchMachine(RuleBasedStateMachine):
         self.sockets = {peer: FakeSocket() for peer in PEERS}
         for peer, sock in self.sockets.items():
             self.fetcher._links[peer] = _Link(sock)  # type: ignore[arg-type]
+        self.fetcher._links[PEERS[0]].agent = "producer"  # known: handle READs start at once
         self.tasks: list[FetchTask] = []
         self.leased: dict[tuple[PeerAddress, int], set[str]] = {}
         self.lease_ids = iter(range(1, 10_000))
+        self.handle_spans: dict[int, dict[str, list[tuple[int, int]]]] = {}
         self.count = 0
 
     # ------------------------------------------------------------- rules
@@ -166,22 +177,46 @@ class FetchMachine(RuleBasedStateMachine):
         peers=st.sets(st.sampled_from(PEERS), min_size=1),
     )
     def new_request(self, keys: set[str], peers: set[PeerAddress]) -> None:
-        # The source gives each item to one task at a time (NixlRemoteSource.wants).
-        active = {k for t in self.fetcher._tasks for k in t.items}
-        keys = keys - active
-        if not keys:
-            return
+        keys = self._idle(keys)
+        if keys:
+            self._begin(keys, 1 + self.count % 2, peers, None)
+
+    def _idle(self, keys: set[str]) -> set[str]:
+        """The keys no task is fetching: the source gives each item to one task at a
+        time (NixlRemoteSource.wants)."""
+        return keys - {k for t in self.fetcher._tasks for k in t.items}
+
+    def _begin(
+        self, keys: set[str], rows: int, peers: set[PeerAddress], handle: HandleLease | None
+    ) -> None:
         self.count += 1
-        rows = 1 + self.count % 2
         task = FetchTask(
             request_id=f"r{self.count}",
             items={k: ItemFetch(Wanted(k, rows, COLS)) for k in sorted(keys)},
             candidates=tuple(sorted(peers, key=str)),
             lookup_deadline=_now[0] + LOOKUP_S,
             deadline=_now[0] + FETCH_S,
+            handle=handle,
         )
         self.tasks.append(task)
         self.fetcher._begin(task)  # its lookups go out at the next pass
+
+    @rule(keys=st.sets(st.sampled_from(KEYS), min_size=1), peer=st.sampled_from(PEERS))
+    def new_request_with_a_handle(self, keys: set[str], peer: PeerAddress) -> None:
+        keys = self._idle(keys)
+        if not keys:
+            return
+        rows = 1 + (self.count + 1) % 2
+        lease = next(self.lease_ids)
+        handle = HandleLease(
+            peer=peer,
+            lease=lease,
+            agent="producer",
+            spans={k: [(1000 * lease, rows * COLS * ITEMSIZE)] for k in keys},
+            shapes=dict.fromkeys(keys, (rows, COLS)),
+        )
+        self.handle_spans[lease] = handle.spans
+        self._begin(keys, rows, {peer, *PEERS[:1]}, handle)
 
     @rule()
     def a_pass(self) -> None:
@@ -196,6 +231,28 @@ class FetchMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 9)) == 0:
             reply = self._reply(lookup, status="incompatible", results=[])
             event("incompatible")
+        elif lookup.claim:
+            answer = data.draw(st.sampled_from(["confirm", "confirm", "lapsed", "moved"]))
+            event(f"claim {answer}")
+            spans = self.handle_spans[lookup.claim]
+            if answer == "lapsed":
+                results = [(key, LAPSED, []) for key, _, _ in lookup.items]
+            else:
+                shift = 8 if answer == "moved" else 0
+                results = [
+                    (key, OK, [(a + shift, n) for a, n in spans[key]]) for key, _, _ in lookup.items
+                ]
+                self.leased[(peer, lookup.claim)] = {key for key, _, _ in lookup.items}
+            reply = Reply(
+                nonce=lookup.nonce,
+                sent_at=_now[0],
+                status=OK,
+                agent="producer",
+                agent_metadata=b"" if lookup.known_agent == "producer" else b"md",
+                lease=0 if answer == "lapsed" else lookup.claim,
+                lease_s=LEASE_S,
+                results=results,
+            )
         else:
             results = []
             for key, rows, cols in lookup.items:
@@ -237,6 +294,15 @@ class FetchMachine(RuleBasedStateMachine):
             for key in read.keys:
                 entry = self.allocator.get(key)
                 assert entry is not None and not entry.ready, f"blocks of {key} freed under a READ"
+
+    @invariant()
+    def only_confirmed_reads_land(self) -> None:
+        for group in self.fetcher._reads + self.fetcher._awaiting:
+            if not group.confirmed:
+                for item in group.items:
+                    assert item.outcome != "landed"
+                    entry = self.allocator.get(item.wanted.key)
+                    assert entry is not None and not entry.ready
 
     @invariant()
     def allocator_consistent(self) -> None:

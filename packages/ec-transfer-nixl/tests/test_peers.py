@@ -127,11 +127,13 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         engine.close()
 
 
-def _pair(make_engine: Callable[..., Engine], **consumer: Any) -> tuple[Engine, Engine, str]:
+def _pair(
+    make_engine: Callable[..., Engine], *, producer: dict[str, Any] | None = None, **consumer: Any
+) -> tuple[Engine, Engine, str]:
     address = f"127.0.0.1:{_free_port()}"
-    producer = make_engine("ec_both", ec_peer_listen=address)
+    producer_engine = make_engine("ec_both", ec_peer_listen=address, **(producer or {}))
     consumer_peers = consumer.pop("ec_peers", [address])
-    return producer, make_engine("ec_consumer", ec_peers=consumer_peers, **consumer), address
+    return producer_engine, make_engine("ec_consumer", ec_peers=consumer_peers, **consumer), address
 
 
 def _fallbacks(engine: Engine) -> dict[str, int]:
@@ -198,6 +200,7 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     assert params is not None
     handle = params["ec_cpu_tier"]
     assert handle["peer"] == address and handle["items"] == {"img-h": [6, WIDTH]}
+    assert "lease" not in handle, "handles carry no lease unless ec_peer_handle_lease_s is set"
     request = make_request("r", [item])
     assert consumer.scheduler.ensure_cache_available(request, 0), "no handle: nothing to wait for"
     request = make_request("r-with-handle", [item])
@@ -205,6 +208,65 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     consumer.wait_available(request)
     cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
     assert torch.equal(cache["img-h"], payload("img-h", 6))
+
+
+def _fetcher(engine: Engine) -> Any:
+    return engine.scheduler.remote.fetcher  # type: ignore[union-attr]
+
+
+def _handle_of(producer: Engine, item: Item) -> dict[str, Any]:
+    _, params = producer.scheduler.request_finished(make_request(f"done-{item.identifier}", [item]))
+    assert params is not None and "lease" in params["ec_cpu_tier"]
+    return params
+
+
+def test_a_handle_lease_is_read_at_once_by_a_consumer_that_knows_the_producer(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The READ starts before any answer; the claim confirms the lease; the bytes land.
+    Then a handle claimed already, one signed with another secret and one whose lease
+    expired: each is looked up as usual, and lands correct."""
+    producer, consumer, _ = _pair(make_engine, producer={"ec_peer_handle_lease_s": 10}, **PATIENT)
+    first, item = Item("img-first", 4), Item("img-fast", 6)
+    producer.save(first, item)
+    consumer.wait_available(make_request("r0", [first]))  # learns the producer's agent
+    params = _handle_of(producer, item)
+    request = make_request("r", [item])
+    request.ec_transfer_params = params
+    consumer.wait_available(request)
+    assert _fetcher(consumer).handle_reads == 1, "read before the claim's answer"
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-fast"], payload("img-fast", 6))
+    assert _fallbacks(consumer) == {}
+    _wait_unpinned(producer)
+
+    ids = iter(range(1_000))
+
+    def fetch_again(key: str, params: dict[str, Any]) -> None:
+        with consumer.scheduler.lock:
+            consumer.scheduler.allocator.drop(key)
+        again = make_request(f"again-{next(ids)}", [Item(key, 6)])  # a new request each time
+        again.ec_transfer_params = params
+        consumer.wait_available(again)
+        cache = consumer.run_step(StepDriver(consumer.scheduler).step([again]).meta)
+        assert torch.equal(cache[key], payload(key, 6))
+        assert _fallbacks(consumer) == {}
+
+    fetch_again("img-fast", params)  # claimed (and released) before: lapsed
+    assert _fetcher(consumer).handle_reads == 2, "read at once, then thrown away"
+    _wait_unpinned(producer)
+    forged = _handle_of(producer, item)
+    forged["ec_cpu_tier"]["lease"]["spans"]["img-fast"] = [[0, 6 * WIDTH * 4]]
+    fetch_again("img-fast", forged)
+    assert _fetcher(consumer).handle_reads == 2, "a forged handle is not read"
+    producer.scheduler.remote.server.handle_lease_s = 0.2  # type: ignore[union-attr]
+    expiring = _handle_of(producer, item)
+    fetch_again("img-fast", expiring)
+    assert _fetcher(consumer).handle_reads == 2, "nor one about to expire"
+    # The handle leases nobody claimed go when they expire, not before: here they are
+    # still pinned; stopping the producer releases every lease it holds.
+    producer.scheduler.shutdown()
+    assert not producer.scheduler.allocator.has_held_entries()
 
 
 def test_a_wrong_secret_gets_nothing(

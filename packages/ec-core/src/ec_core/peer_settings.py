@@ -19,11 +19,20 @@ KEY_SECRET = "ec_peer_secret"
 KEY_LOOKUP_TIMEOUT = "ec_peer_lookup_timeout_s"
 KEY_FETCH_TIMEOUT = "ec_peer_fetch_timeout_s"
 KEY_LEASE = "ec_peer_lease_s"
+KEY_HANDLE_LEASE = "ec_peer_handle_lease_s"
 SECRET_ENV = "EC_CPU_TIER_PEER_SECRET"
 """Environment variable read when `ec_peer_secret` is not in the config."""
 
 KEYS = frozenset(
-    {KEY_LISTEN, KEY_PEERS, KEY_SECRET, KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE}
+    {
+        KEY_LISTEN,
+        KEY_PEERS,
+        KEY_SECRET,
+        KEY_LOOKUP_TIMEOUT,
+        KEY_FETCH_TIMEOUT,
+        KEY_LEASE,
+        KEY_HANDLE_LEASE,
+    }
 )
 DEFAULT_LOOKUP_TIMEOUT_S = 1.0
 DEFAULT_FETCH_TIMEOUT_S = 10.0
@@ -82,6 +91,10 @@ class PeerSettings:
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
     lease_s: float = DEFAULT_LEASE_S
+    handle_lease_s: float = 0.0
+    """How long a producer pins the ready items of a request-level handle it hands
+    out, so a consumer can READ at once (0: handles carry no lease, the default);
+    never longer than `lease_s`."""
 
 
 def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSettings | None:
@@ -93,7 +106,7 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
     """
     secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV))
     if KEY_LISTEN not in extra and KEY_PEERS not in extra and secret_raw is None:
-        for key in (KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE):
+        for key in (KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE, KEY_HANDLE_LEASE):
             if key in extra:
                 raise _invalid(key, extra[key], f"set {KEY_LISTEN} or {KEY_PEERS} to use it")
         return None
@@ -143,10 +156,17 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
             extra.get(KEY_LOOKUP_TIMEOUT, lookup),
             f"must not exceed {KEY_FETCH_TIMEOUT}",
         )
-    return PeerSettings(listen, peers, secret_raw, lookup, fetch, lease)
+    handle_lease = _seconds(extra, KEY_HANDLE_LEASE, 0.0, allow_zero=True)
+    if handle_lease > lease:
+        raise _invalid(
+            KEY_HANDLE_LEASE, extra[KEY_HANDLE_LEASE], f"must not exceed {KEY_LEASE} ({lease:g} s)"
+        )
+    return PeerSettings(listen, peers, secret_raw, lookup, fetch, lease, handle_lease)
 
 
-def _seconds(extra: Mapping[str, object], key: str, default: float) -> float:
+def _seconds(
+    extra: Mapping[str, object], key: str, default: float, *, allow_zero: bool = False
+) -> float:
     raw = extra.get(key, default)
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise _invalid(key, raw, "expected a number of seconds")
@@ -154,6 +174,9 @@ def _seconds(extra: Mapping[str, object], key: str, default: float) -> float:
         seconds = float(raw)
     except ValueError:
         raise _invalid(key, raw, "expected a number of seconds") from None
+    if allow_zero and seconds == 0:
+        return 0.0
     if not math.isfinite(seconds) or seconds <= 0:
-        raise _invalid(key, raw, "expected a finite, positive number of seconds")
+        what = "0 or a finite, positive" if allow_zero else "a finite, positive"
+        raise _invalid(key, raw, f"expected {what} number of seconds")
     return seconds

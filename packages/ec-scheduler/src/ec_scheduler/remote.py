@@ -150,6 +150,30 @@ class LocalEntries:
             self._allocator.pin(key)
             return "ready", entry.runs
 
+    def lease_many(
+        self, items: Sequence[tuple[str, int, int]]
+    ) -> list[tuple[EntryState | Literal["shape"], tuple[Run, ...]]]:
+        """`lease` for each `(key, rows, cols)`, under one acquisition of the lock (a key
+        asked twice is pinned twice)."""
+        with self._lock:
+            if self.closed:
+                return [("missing", ())] * len(items)
+            self._refresh()
+            get, stale, pin = self._allocator.get, self._is_stale, self._allocator.pin_entry
+            out: list[tuple[EntryState | Literal["shape"], tuple[Run, ...]]] = []
+            for key, rows, cols in items:
+                entry = get(key)
+                if entry is None or stale(key):
+                    out.append(("missing", ()))
+                elif not entry.ready:
+                    out.append(("saving", ()))
+                elif entry.shape != (rows, cols):
+                    out.append(("shape", ()))
+                else:
+                    pin(entry)
+                    out.append(("ready", entry.runs))
+            return out
+
     def release(self, keys: Iterable[str]) -> None:
         """Give back leases taken with `lease` (one pin each)."""
         with self._lock:
@@ -174,6 +198,34 @@ class LocalEntries:
             entry = self._allocator.alloc(key, blocks, (rows, cols), force=True)
             return entry.runs if entry is not None else None
 
+    def reserve_many(self, wanted: Sequence[tuple[str, int, int]]) -> list[tuple[Run, ...] | None]:
+        """`reserve` for each `(key, rows, cols)`, under one acquisition of the lock."""
+        with self._lock:
+            if self.closed:
+                return [None] * len(wanted)
+            alloc, blocks_for = self._allocator.alloc, self._blocks_for
+            out: list[tuple[Run, ...] | None] = []
+            for key, rows, cols in wanted:
+                if key in self._allocator:
+                    out.append(None)
+                    continue
+                entry = alloc(key, blocks_for(rows, cols), (rows, cols), force=True)
+                out.append(entry.runs if entry is not None else None)
+            return out
+
+    def landed_many(self, keys: Sequence[str]) -> list[bool]:
+        """`landed` for each key, under one acquisition of the lock."""
+        with self._lock:
+            out: list[bool] = []
+            for key in keys:
+                entry = self._allocator.get(key)
+                if self.closed or entry is None or entry.ready:
+                    out.append(False)
+                else:
+                    self._allocator.mark_ready(key)
+                    out.append(True)
+            return out
+
     def landed(self, key: str) -> bool:
         """The fetched bytes are in place: make the entry ready (False if it went away)."""
         with self._lock:
@@ -185,7 +237,14 @@ class LocalEntries:
 
     def abandon(self, key: str) -> None:
         """Free a reservation whose fetch failed (only once nothing can write to it)."""
+        self.abandon_many((key,))
+
+    def abandon_many(self, keys: Iterable[str]) -> None:
+        """`abandon` for each key, under one acquisition of the lock."""
         with self._lock:
-            entry = self._allocator.get(key)
-            if not self.closed and entry is not None and not entry.ready:
-                self._allocator.discard(key)
+            if self.closed:
+                return
+            for key in keys:
+                entry = self._allocator.get(key)
+                if entry is not None and not entry.ready:
+                    self._allocator.discard(key)

@@ -8,6 +8,17 @@ requests of one engine step therefore cost one round trip per peer), and
 reads all the items one Reply leased with one NIXL READ (a ReadGroup), into
 local blocks reserved as not-ready entries.
 
+A task may carry a request-level handle's pre-granted lease (`HandleLease`):
+the producer pinned those entries when it made the handle, and the handle
+names their spans, signed. If this engine knows the producer's NIXL agent
+already, the READ of those items starts at once, and a *claim* (a Lookup
+naming the lease) goes out with it; the bytes count only once the producer
+confirms that the lease still pinned those very spans (then they were pinned
+from the handle's making to the Release, so they are the entry's). A lapsed
+claim means the READ's bytes are thrown away and the items are looked up
+again. Without the agent, the claim goes out first and the READ follows its
+answer (one round trip, as a lookup).
+
 Every path ends in one of two outcomes per item: *landed* (the entry is ready
 in this engine's region and the workers load it like any other) or *failed*
 with a cause (the request then encodes it). INVARIANT: a reservation whose
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import socket as pysocket
 import threading
@@ -36,6 +48,7 @@ from ec_transfer_nixl.agent import RegionAgent, Span, paired_spans
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
+    LAPSED,
     MISSING,
     OK,
     SAVING,
@@ -44,7 +57,7 @@ from ec_transfer_nixl.wire import (
     Release,
     Reply,
     WireError,
-    open_frames,
+    open_frame,
     seal,
 )
 
@@ -73,6 +86,19 @@ LOOKUP_ITEMS_MAX = 256
 under its scheduler's lock, so one message must not hold it long)."""
 
 
+@dataclass(frozen=True, eq=False)
+class HandleLease:
+    """A request-level handle's pre-granted lease (its signature checked already)."""
+
+    peer: PeerAddress
+    lease: int
+    agent: str
+    """The producer's NIXL agent the spans belong to."""
+    spans: dict[str, list[tuple[int, int]]]
+    """Per leased key, where its bytes lie in the producer's region."""
+    shapes: dict[str, tuple[int, int]]
+
+
 @dataclass(eq=False)
 class ItemFetch:
     """One item of a task: which peers were asked, and what came of it."""
@@ -82,6 +108,8 @@ class ItemFetch:
     retry_at: dict[PeerAddress, float] = field(default_factory=dict)
     heard: set[PeerAddress] = field(default_factory=set)
     """Peers that answered for this item at least once (they are up)."""
+    asked: set[PeerAddress] = field(default_factory=set)
+    """Peers a lookup (or claim) for this item went to."""
     reading: ReadGroup | None = None
     outcome: str | None = None
     """"landed" or a failure cause; None while undecided."""
@@ -97,15 +125,19 @@ class FetchTask:
     lookup_deadline: float
     deadline: float
     done: bool = False
+    handle: HandleLease | None = None
 
 
 @dataclass(eq=False)
 class ReadGroup:
-    """One NIXL READ of the items one Reply leased (of one or several tasks).
+    """One NIXL READ of the items one Reply leased (of one or several tasks), or of
+    the items of one handle's lease.
 
     Its items land or fail together. It is given up at `deadline`, the
     earliest of its tasks' deadlines (tasks asked in one pass have nearly the
-    same), and trusted only if it ends before `lease_until`.
+    same), and trusted only if it ends before `lease_until`. A READ started on
+    a handle's lease is not trusted at all until its claim is confirmed
+    (`confirmed`); `claim_deadline` bounds that wait.
     """
 
     handle: Any
@@ -115,6 +147,21 @@ class ReadGroup:
     started: float
     lease_until: float
     deadline: float
+    confirmed: bool = True
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Handle READs: the spans read per key (the claim must confirm the same)."""
+    claim_sent: float = 0.0
+    claim_nonce: int = 0
+    claim_deadline: float = math.inf
+    ended: str | None = None
+    """Handle READs over before their claim was answered: "DONE" or "ERR"."""
+    ended_at: float = 0.0
+    lapsed: bool = False
+    """The claim was refused: the bytes are not the entry's for sure."""
+    granted: bool = True
+    """The producer granted this engine the lease (a handle's: once its claim was
+    answered with it). Only a granted lease is released: another engine may hold a
+    handle's lease this one failed to claim."""
 
 
 @dataclass
@@ -124,6 +171,8 @@ class _Link:
     socket: zmq.Socket[Any]
     down_until: float = 0.0
     incompatible: bool = False
+    agent: str = ""
+    """The peer's NIXL agent this engine knows (its metadata was added)."""
 
 
 class Fetcher:
@@ -158,14 +207,23 @@ class Fetcher:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._links: dict[PeerAddress, _Link] = {}
+        self._poller: zmq.Poller | None = None
         self._pending: dict[int, tuple[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]]]] = {}
         """Lookup nonce -> the peer asked and the items it was asked for."""
+        self._claims: dict[int, ReadGroup] = {}
+        """Claim nonce -> the READ started on that handle's lease (if one was)."""
         self._asks: dict[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]]] = {}
         """Items to ask each peer for at the end of this pass."""
+        self._releases: list[tuple[PeerAddress, int, list[str], bool]] = []
+        """Releases to send at the end of this pass (after the tasks they ended are done)."""
         self._tasks: list[FetchTask] = []
         self._reads: list[ReadGroup] = []
+        self._awaiting: list[ReadGroup] = []
+        """Handle READs that are over, waiting for their claim's answer."""
         self._quarantine: list[ReadGroup] = []
         self._nonces = itertools.count(1)
+        self.handle_reads = 0
+        """READs started on a handle's lease before any answer (for tests and benchmarks)."""
         self._warnings = RateLimitedWarnings(logger)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -230,16 +288,19 @@ class Fetcher:
             self._shutdown()
 
     def _loop_once(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        for link in self._links.values():
-            poller.register(link.socket, zmq.POLLIN)
+        poller = self._poller
+        if poller is None:  # built again only when a link is added
+            poller = self._poller = zmq.Poller()
+            poller.register(self._wake_r, zmq.POLLIN)
+            for link in self._links.values():
+                poller.register(link.socket, zmq.POLLIN)
         if self._reads or self._quarantine:
             events = dict(poller.poll(0))
             if not events:
                 time.sleep(READING_PAUSE_S)
         else:
-            events = dict(poller.poll(WAITING_POLL_MS if self._tasks else IDLE_POLL_MS))
+            busy = self._tasks or self._awaiting
+            events = dict(poller.poll(WAITING_POLL_MS if busy else IDLE_POLL_MS))
         if self._wake_r.fileno() in events:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
@@ -258,15 +319,19 @@ class Fetcher:
     def _tick(self, now: float) -> None:
         """One pass over everything open: READs, lookups to send, deadlines, quarantine."""
         for group in list(self._reads):
-            if now > group.deadline:
+            if now > group.deadline or (not group.confirmed and now > group.claim_deadline):
                 self._give_up(group)
             else:
                 self._poll_read(group)
+        for group in list(self._awaiting):
+            if now > group.claim_deadline:
+                self._claim_unanswered(group)
         self._flush_asks()
         for task in list(self._tasks):
             self._progress(task, now)
         self._flush_asks()
         self._drain_quarantine()
+        self._flush_releases()
 
     # ----------------------------------------------------------- lookups
 
@@ -279,15 +344,19 @@ class Fetcher:
             sock.connect(f"tcp://{peer.host}:{peer.port}")
             link = _Link(sock)
             self._links[peer] = link
+            self._poller = None
         return link
 
     def _begin(self, task: FetchTask) -> None:
-        """Take a task on; its lookups go out at the end of this pass."""
+        """Take a task on; its lookups go out at the end of this pass (a handle's claim,
+        and the READ on its lease, at once)."""
         self._tasks.append(task)
         self.counters.remote_lookups += len(task.items)
+        claimed = self._begin_claim(task) if task.handle is not None else set()
         for peer in task.candidates:
             for item in task.items.values():
-                self._queue_ask(peer, task, item)
+                if item.wanted.key not in claimed:
+                    self._queue_ask(peer, task, item)
 
     def _queue_ask(self, peer: PeerAddress, task: FetchTask, item: ItemFetch) -> None:
         self._asks.setdefault(peer, {})[item.wanted.key] = (task, item)
@@ -299,8 +368,17 @@ class Fetcher:
             for first in range(0, len(entries), LOOKUP_ITEMS_MAX):
                 self._ask(peer, dict(entries[first : first + LOOKUP_ITEMS_MAX]))
 
-    def _ask(self, peer: PeerAddress, wanted: dict[str, tuple[FetchTask, ItemFetch]]) -> None:
-        """Send one Lookup to `peer` for `wanted` (key -> its task and item)."""
+    def _ask(
+        self,
+        peer: PeerAddress,
+        wanted: dict[str, tuple[FetchTask, ItemFetch]],
+        *,
+        claim: int = 0,
+        group: ReadGroup | None = None,
+    ) -> bool:
+        """Send one Lookup to `peer` for `wanted` (key -> its task and item); with
+        `claim`, the claim of that handle lease (and `group`, the READ started on it).
+        False if it could not be sent."""
         link = self._link(peer)
         now = self._clock()
         if link.incompatible or link.down_until > now:
@@ -308,26 +386,92 @@ class Fetcher:
             for _, item in wanted.values():
                 item.answers[peer] = answer
                 item.retry_at.pop(peer, None)
-            return
+            return False
         nonce = next(self._nonces)
         lookup = Lookup(
             nonce=nonce,
             sent_at=time.time(),
             fingerprint=self._fingerprint,
             items=[(i.wanted.key, i.wanted.rows, i.wanted.cols) for _, i in wanted.values()],
+            known_agent=link.agent,
+            claim=claim,
         )
         try:
-            link.socket.send_multipart(seal(lookup, self._secret), zmq.NOBLOCK)
+            link.socket.send(seal(lookup, self._secret), zmq.NOBLOCK)
         except zmq.Again:
             # Not connected (yet): IMMEDIATE queues nothing for it. Try again soon;
             # at the lookup deadline it counts as unreachable.
             for _, item in wanted.values():
                 item.retry_at[peer] = now + CONNECT_RETRY_S
-            return
+            return False
         self._pending[nonce] = (peer, wanted)
+        if group is not None:
+            group.claim_sent, group.claim_nonce = now, nonce
+            self._claims[nonce] = group
         for _, item in wanted.values():
+            item.asked.add(peer)
             item.retry_at.pop(peer, None)
             item.answers.pop(peer, None)  # asked (again): its answer is awaited
+        return True
+
+    def _begin_claim(self, task: FetchTask) -> set[str]:
+        """Claim the task's handle lease for the items it covers and, when this engine
+        knows the producer's agent, READ them at once (the claim goes first, so its
+        round trip overlaps the READ); the keys taken care of."""
+        handle = task.handle
+        assert handle is not None
+        items = [
+            item
+            for key, item in task.items.items()
+            if key in handle.spans
+            and handle.shapes.get(key) == (item.wanted.rows, item.wanted.cols)
+            and sum(n for _, n in handle.spans[key]) == self._nbytes(item.wanted)
+        ]
+        link = self._link(handle.peer)
+        if not items or link.incompatible or link.down_until > self._clock():
+            return set()
+        if link.agent != handle.agent:  # no metadata for it yet: READ after the answer
+            wanted = {item.wanted.key: (task, item) for item in items}
+            return set(wanted) if self._ask(handle.peer, wanted, claim=handle.lease) else set()
+        reserved, local_spans, _ = self._reserve(items)
+        taken = {item.wanted.key for item in items}  # those without room failed: no_space
+        if not reserved:
+            return taken
+        group = ReadGroup(
+            handle=None,
+            peer=handle.peer,
+            lease=handle.lease,
+            items=reserved,
+            started=self._clock(),
+            lease_until=-math.inf,  # set once the claim is confirmed
+            deadline=task.deadline,
+            confirmed=False,
+            spans={item.wanted.key: list(handle.spans[item.wanted.key]) for item in reserved},
+            claim_deadline=task.lookup_deadline,
+            granted=False,
+        )
+        wanted = {item.wanted.key: (task, item) for item in reserved}
+        if not self._ask(handle.peer, wanted, claim=handle.lease, group=group):
+            self._local.abandon_many(list(wanted))
+            return taken - set(wanted)  # asked as usual
+        pieces: list[tuple[Span, Span]] = []
+        for item, here in zip(reserved, local_spans, strict=True):
+            pieces.extend(paired_spans(here, handle.spans[item.wanted.key]))
+        try:
+            group.handle = self.agent.read(handle.agent, pieces)
+        except Exception as exc:
+            # Nothing enqueued: the blocks are free, and the claim's answer is taken
+            # like a lookup's (a READ after it).
+            self._local.abandon_many(list(wanted))
+            self._claims.pop(group.claim_nonce, None)
+            self._warnings.warn("read", "EC CPU tier: a READ from %s failed: %s", handle.peer, exc)
+            return taken
+        for item in reserved:
+            item.reading = group
+        self._reads.append(group)
+        self.handle_reads += 1
+        self._poll_read(group)  # a small READ may be done already
+        return taken
 
     def _peer_down(self, peer: PeerAddress, why: str) -> None:
         link = self._links[peer]
@@ -342,21 +486,33 @@ class Fetcher:
         link.down_until = self._clock() + DOWN_FOR_S
 
     def _receive(self, link: _Link) -> None:
-        while True:
+        sock = link.socket
+        # EVENTS is read without letting go of the GIL; a recv that finds nothing would
+        # let go of it (and wait to take it back) only to raise.
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frame = sock.recv(zmq.NOBLOCK)
             try:
-                frames = link.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = open_frames(frames, self._secret)
+                reply = open_frame(frame, self._secret)
             except WireError as exc:
                 self._warnings.warn("bad-reply", "EC CPU tier: dropped a peer reply: %s", exc)
                 continue
             if isinstance(reply, Reply):
                 self._apply(link, reply)
 
+    def _know(self, link: _Link, reply: Reply) -> str:
+        """The name to READ from the reply's agent (its metadata added if new)."""
+        if reply.agent != link.agent:
+            if not reply.agent_metadata:
+                raise RuntimeError(f"no metadata for the peer's NIXL agent {reply.agent}")
+            if link.agent:
+                self.agent.forget(link.agent)  # the peer restarted: a new agent
+            self.agent.know(reply.agent, reply.agent_metadata)
+            link.agent = reply.agent
+        return link.agent
+
     def _apply(self, link: _Link, reply: Reply) -> None:
         waiting = self._pending.pop(reply.nonce, None)
+        group = self._claims.pop(reply.nonce, None)
         if waiting is None:  # an answer that came too late: give its leases back
             self._release(link, reply.lease, [k for k, s, _ in reply.results if s == OK])
             return
@@ -372,11 +528,17 @@ class Fetcher:
             link.incompatible = True
             for _, item in wanted.values():
                 item.answers[peer] = "incompatible"
+            if group is not None:
+                self._lapse(group)
             return
+        if group is not None:
+            self._confirm(group, reply)
         not_needed: list[str] = []
         to_read: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]]]] = []
         for key, status, spans in reply.results:
             found = wanted.pop(key, None)  # each key is answered once per lookup
+            if group is not None and key in group.spans:
+                continue  # the READ started on the claimed lease: decided by _confirm
             if found is None or found[1].outcome is not None or found[1].reading is not None:
                 if status == OK:
                     not_needed.append(key)
@@ -391,11 +553,18 @@ class Fetcher:
             elif status == SAVING:
                 item.answers[peer] = "not_ready"
                 item.retry_at[peer] = self._clock() + SAVING_RETRY_S
+            elif status == LAPSED:  # the handle's lease is gone: ask every peer now
+                self._ask_again(task, item)
             else:
                 item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
         if to_read:
-            not_needed.extend(self._start_read(peer, reply, to_read))
+            not_needed.extend(self._start_read(peer, link, reply, to_read))
         self._release(link, reply.lease, not_needed)
+
+    def _ask_again(self, task: FetchTask, item: ItemFetch) -> None:
+        for peer in task.candidates:
+            item.answers.pop(peer, None)
+            self._queue_ask(peer, task, item)
 
     def _release(self, link: _Link, lease: int, keys: list[str], *, read: bool = False) -> None:
         if not lease or not keys:
@@ -404,65 +573,156 @@ class Fetcher:
             nonce=next(self._nonces), sent_at=time.time(), lease=lease, keys=keys, read=read
         )
         with contextlib.suppress(zmq.Again):  # else the producer's lease expires by itself
-            link.socket.send_multipart(seal(release, self._secret), zmq.NOBLOCK)
+            link.socket.send(seal(release, self._secret), zmq.NOBLOCK)
+
+    def _flush_releases(self) -> None:
+        releases, self._releases = self._releases, []
+        for peer, lease, keys, read in releases:
+            link = self._links.get(peer)
+            if link is not None:
+                self._release(link, lease, keys, read=read)
 
     # -------------------------------------------------------------- reads
+
+    def _nbytes(self, wanted: Wanted) -> int:
+        return wanted.rows * wanted.cols * self._itemsize
+
+    def _reserve(
+        self, items: list[ItemFetch]
+    ) -> tuple[list[ItemFetch], list[tuple[Span, ...]], list[ItemFetch]]:
+        """Blocks for `items`, under one lock acquisition: those reserved and their
+        spans here, and those that found no room (failed: no_space)."""
+        runs = self._local.reserve_many(
+            [(i.wanted.key, i.wanted.rows, i.wanted.cols) for i in items]
+        )
+        reserved, spans, full = [], [], []
+        for item, got in zip(items, runs, strict=True):
+            if got is None:
+                self._finish(item, "no_space")
+                full.append(item)
+            else:
+                reserved.append(item)
+                spans.append(tuple(self._spans(got, self._nbytes(item.wanted))))
+        return reserved, spans, full
 
     def _start_read(
         self,
         peer: PeerAddress,
+        link: _Link,
         reply: Reply,
         leased: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]]]],
     ) -> list[str]:
         """Reserve blocks for the leased items and start one READ of them all; the keys
         not being read (their pins can go back at once)."""
         not_read: list[str] = []
-        reserved: list[tuple[FetchTask, ItemFetch]] = []
-        pieces: list[tuple[Span, Span]] = []
+        fitting: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]]]] = []
         for task, item, remote in leased:
-            wanted = item.wanted
-            nbytes = wanted.rows * wanted.cols * self._itemsize
-            if sum(n for _, n in remote) != nbytes:
+            if sum(n for _, n in remote) != self._nbytes(item.wanted):
                 item.answers[peer] = "shape"
-                not_read.append(wanted.key)
-                continue
-            runs = self._local.reserve(wanted.key, wanted.rows, wanted.cols)
-            if runs is None:
-                self._finish(item, "no_space")
-                not_read.append(wanted.key)
-                continue
-            pieces.extend(paired_spans(self._spans(runs, nbytes), remote))
-            reserved.append((task, item))
+                not_read.append(item.wanted.key)
+            else:
+                fitting.append((task, item, remote))
+        reserved, local_spans, full = self._reserve([item for _, item, _ in fitting])
+        not_read.extend(item.wanted.key for item in full)
         if not reserved:
             return not_read
+        remote_of = {id(item): remote for _, item, remote in fitting}
+        pieces: list[tuple[Span, Span]] = []
+        for item, here in zip(reserved, local_spans, strict=True):
+            pieces.extend(paired_spans(here, remote_of[id(item)]))
         try:
-            agent = self.agent.know(reply.agent, reply.agent_metadata)
+            agent = self._know(link, reply)
             # No NIXL notification: the READ then completes here without waiting for
             # the producer to poll; the Release sent when it is over unpins the entries.
             handle = self.agent.read(agent, pieces)
         except Exception as exc:
             # Nothing was enqueued (or NIXL refused it at once): the blocks are free.
-            for _, item in reserved:
-                self._local.abandon(item.wanted.key)
+            self._local.abandon_many([item.wanted.key for item in reserved])
+            for item in reserved:
                 item.answers[peer] = "read_error"
                 not_read.append(item.wanted.key)
             self._warnings.warn("read", "EC CPU tier: a READ from %s failed: %s", peer, exc)
             return not_read
         now = self._clock()
+        deadline = min(task.deadline for task, item, _ in fitting if item in reserved)
         group = ReadGroup(
             handle=handle,
             peer=peer,
             lease=reply.lease,
-            items=[item for _, item in reserved],
+            items=reserved,
             started=now,
             lease_until=now + reply.lease_s - LEASE_MARGIN_S,
-            deadline=min(task.deadline for task, _ in reserved),
+            deadline=deadline,
         )
-        for item in group.items:
+        for item in reserved:
             item.reading = group
         self._reads.append(group)
         self._poll_read(group)  # a small READ may be done already
         return not_read
+
+    def _confirm(self, group: ReadGroup, reply: Reply) -> None:
+        """A claim's answer: the READ's bytes are the entries' if the producer still
+        pinned every item under the handle's lease at the very spans read."""
+        answers = {key: (status, spans) for key, status, spans in reply.results}
+        group.granted = reply.lease == group.lease
+        held = group.granted and all(
+            answers.get(key, (LAPSED, []))[0] == OK
+            and [tuple(s) for s in answers[key][1]] == [tuple(s) for s in spans]
+            for key, spans in group.spans.items()
+        )
+        if not held:
+            self._lapse(group)
+            return
+        group.confirmed = True
+        group.lease_until = group.claim_sent + reply.lease_s - LEASE_MARGIN_S
+        for item in group.items:
+            item.heard.add(group.peer)
+        if group in self._awaiting:
+            self._awaiting.remove(group)
+            self._land(group, group.ended or "ERR", group.ended_at)
+
+    def _lapse(self, group: ReadGroup) -> None:
+        """A handle READ whose claim was refused: its items are asked again once
+        NIXL lets go of it (its blocks may still be written until then)."""
+        group.lapsed = True
+        if group in self._awaiting:
+            self._awaiting.remove(group)
+            self._retry_lapsed(group)
+
+    def _retry_lapsed(self, group: ReadGroup) -> None:
+        """A lapsed handle READ is over: free its blocks, ask for its items again."""
+        self._local.abandon_many([item.wanted.key for item in group.items])
+        self._read_over(group, read=False)
+        now = self._clock()
+        for item in group.items:
+            item.reading = None
+            task = self._task_of(item)
+            if task is not None and now < task.lookup_deadline:
+                self._ask_again(task, item)
+            else:
+                item.answers[group.peer] = "unreachable"
+
+    def _claim_unanswered(self, group: ReadGroup) -> None:
+        """A handle READ that is over, whose claim got no answer in time."""
+        self._awaiting.remove(group)
+        self._local.abandon_many([item.wanted.key for item in group.items])
+        self._forget_claim(group)
+        self._peer_down(group.peer, "no answer to a claim in time")
+        for item in group.items:
+            item.reading = None
+            self._finish(item, "unreachable")
+
+    def _forget_claim(self, group: ReadGroup) -> None:
+        """Stop waiting for a claim's answer: if it comes, it is a late answer, and
+        releases what it leased (see _apply)."""
+        self._claims.pop(group.claim_nonce, None)
+        self._pending.pop(group.claim_nonce, None)
+
+    def _task_of(self, item: ItemFetch) -> FetchTask | None:
+        for task in self._tasks:
+            if task.items.get(item.wanted.key) is item:
+                return task
+        return None
 
     def _poll_read(self, group: ReadGroup) -> None:
         state = self.agent.state(group.handle)
@@ -470,19 +730,32 @@ class Fetcher:
             return
         self._reads.remove(group)
         self.agent.release(group.handle)
-        self._read_over(group, read=state == "DONE")
-        now = self._clock()
-        for item in group.items:
+        if group.lapsed:
+            self._retry_lapsed(group)
+        elif not group.confirmed:  # over before its claim's answer: wait for it
+            group.ended, group.ended_at = state, self._clock()
+            self._awaiting.append(group)
+        else:
+            self._land(group, state, self._clock())
+
+    def _land(self, group: ReadGroup, state: str, ended_at: float) -> None:
+        """A trusted READ is over: its items land (or fail), then its pins go back."""
+        good = state == "DONE" and ended_at <= group.lease_until
+        keys = [item.wanted.key for item in group.items]
+        landed = self._local.landed_many(keys) if good else [False] * len(keys)
+        failed = [key for key, ok in zip(keys, landed, strict=True) if not ok]
+        if failed:
+            self._local.abandon_many(failed)
+        for item, ok in zip(group.items, landed, strict=True):
             item.reading = None
-            key = item.wanted.key
-            if state == "DONE" and now <= group.lease_until and self._local.landed(key):
+            if ok:
                 self.counters.remote_hits += 1
-                self.counters.bytes_fetched += item.wanted.rows * item.wanted.cols * self._itemsize
-                self.counters.fetch_seconds += now - group.started
+                self.counters.bytes_fetched += self._nbytes(item.wanted)
+                self.counters.fetch_seconds += ended_at - group.started
                 self._finish(item, "landed")
             else:
-                self._local.abandon(key)
                 self._finish(item, "read_error")
+        self._read_over(group, read=state == "DONE")
 
     # --------------------------------------------------------- deadlines
 
@@ -502,6 +775,7 @@ class Fetcher:
                     wanted.pop(key, None)
                 if not wanted:
                     del self._pending[nonce]  # late answers release their leases
+                    self._claims.pop(nonce, None)
 
     def _decide(self, task: FetchTask, item: ItemFetch, now: float) -> None:
         """Fail an item no peer can still provide; after the lookup deadline, mark the
@@ -510,24 +784,34 @@ class Fetcher:
         if waiting and now < task.lookup_deadline:
             return
         for peer in waiting:
+            tried = peer in item.asked or peer in item.retry_at  # not: a claim's other peers
             if peer in item.heard and item.answers.get(peer) is None:
                 item.answers[peer] = "not_ready"  # it answered "saving" until the deadline
             elif peer not in item.answers:
                 item.answers[peer] = "unreachable"
-                self._peer_down(
-                    peer, "no answer in time (wrong ec_peer_secret, stopped, or overloaded)"
-                )
+                if tried:
+                    self._peer_down(
+                        peer, "no answer in time (wrong ec_peer_secret, stopped, or overloaded)"
+                    )
         causes = set(item.answers.values())
         cause = next((c for c in CAUSE_ORDER if c in causes), None)
         self._finish(item, cause or "unreachable")
 
     def _give_up(self, group: ReadGroup) -> None:
-        """A READ past its deadline: its items fail; its blocks are freed only once
-        NIXL lets go of it (else quarantined)."""
+        """A READ past its deadline (or a handle READ whose claim got no answer in
+        time): its items fail; its blocks are freed only once NIXL lets go of it
+        (else quarantined)."""
         self._reads.remove(group)
+        cause = "timeout"
+        if not group.confirmed and not group.lapsed:
+            cause = "unreachable"
+            self._peer_down(group.peer, "no answer to a claim in time")
+        if not group.confirmed:
+            self._forget_claim(group)
         for item in group.items:
             item.reading = None
-            self._finish(item, "timeout")
+            if item.outcome is None:
+                self._finish(item, cause)
         if self.agent.release(group.handle):
             self._free(group)
         else:
@@ -544,15 +828,15 @@ class Fetcher:
 
     def _free(self, group: ReadGroup) -> None:
         """A READ that will write no more and whose items failed: free their blocks."""
-        for item in group.items:
-            self._local.abandon(item.wanted.key)
+        self._local.abandon_many([item.wanted.key for item in group.items])
         self._read_over(group, read=False)
 
     def _read_over(self, group: ReadGroup, *, read: bool) -> None:
-        """The group's READ will touch the peer's memory no more: give the pins back."""
-        link = self._links.get(group.peer)
-        if link is not None:
-            self._release(link, group.lease, [item.wanted.key for item in group.items], read=read)
+        """The group's READ will touch the peer's memory no more: give the pins back
+        (at the end of this pass, once the tasks it ended are marked done)."""
+        if group.granted:
+            keys = [item.wanted.key for item in group.items]
+            self._releases.append((group.peer, group.lease, keys, read))
 
     def _finish(self, item: ItemFetch, outcome: str) -> None:
         item.outcome = outcome
@@ -563,12 +847,18 @@ class Fetcher:
     def _shutdown(self) -> None:
         for group in list(self._reads):
             self._give_up(group)
+        for group in list(self._awaiting):
+            self._awaiting.remove(group)
+            self._free(group)
+            for item in group.items:
+                item.reading = None
         for task in self._tasks:
             for item in task.items.values():
                 if item.outcome is None:
                     self._finish(item, "timeout")
             task.done = True
         self._tasks.clear()
+        self._flush_releases()
         for link in self._links.values():
             link.socket.close(0)
         self.agent.close()

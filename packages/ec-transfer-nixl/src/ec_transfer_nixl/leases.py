@@ -1,16 +1,25 @@
 """Entries a producer pinned for peers, and when each pin goes.
 
-Used by the producer's server thread only. A lease is granted per lookup and
-holds one pin per leased key; a key's pin goes when the consumer's READ
-is over (the consumer's Release), when the consumer releases it unread, or when
-the lease expires.
+A lease is granted per lookup (by the server thread) or per request-level
+handle (by the scheduler thread, in `request_finished`) and holds one pin per
+leased key; a key's pin goes when the consumer's READ is over (the consumer's
+Release), when the consumer releases it unread, or when the lease expires. A
+handle's lease is *claimable* once: the first consumer that claims it keeps
+it (for `lease_s` more); a later claim finds it lapsed.
+
+Thread-safe: its own lock guards the table, and `release` (which takes the
+scheduler's lock) is always called after that lock is let go, so the two
+locks are never taken in the opposite order from the scheduler thread's.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable
+
+Spans = list[tuple[int, int]]
 
 
 class Leases:
@@ -21,8 +30,14 @@ class Leases:
     ) -> None:
         self._release = release
         self._clock = clock
+        self._lock = threading.Lock()
         self._held: dict[int, tuple[float, dict[str, int]]] = {}
+        self._claimable: dict[int, dict[str, Spans]] = {}
+        """Handle leases not claimed yet: the spans of each key."""
         self._ids = itertools.count(1)
+        self.active = 0
+        """Leases that a consumer is reading (or may read) under: granted by a lookup,
+        or claimed. An unclaimed handle lease is not active."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -30,43 +45,90 @@ class Leases:
     @property
     def pins(self) -> int:
         """Keys pinned across all leases."""
-        return sum(len(keys) for _, keys in self._held.values())
+        with self._lock:
+            return sum(len(keys) for _, keys in self._held.values())
 
-    def grant(self, items: dict[str, int], lease_s: float) -> int:
-        """Record pins already taken for `items` (key -> bytes); the lease id (0 if none)."""
+    def grant(
+        self, items: dict[str, int], lease_s: float, *, claimable: dict[str, Spans] | None = None
+    ) -> int:
+        """Record pins already taken for `items` (key -> bytes); the lease id (0 if none).
+
+        With `claimable` (key -> spans), a handle's lease: claimable once."""
         held = dict(items)
         if not held:
             return 0
-        lease = next(self._ids)
-        self._held[lease] = (self._clock() + lease_s, held)
+        with self._lock:
+            lease = next(self._ids)
+            self._held[lease] = (self._clock() + lease_s, held)
+            if claimable is None:
+                self.active += 1
+            else:
+                self._claimable[lease] = claimable
         return lease
+
+    def claim(self, lease: int, keys: Iterable[str], lease_s: float) -> dict[str, Spans]:
+        """Claim a handle's lease for `keys`: the spans of those it still pins (now
+        pinned for `lease_s` more). The lease is claimable no more; its keys not
+        claimed are released. Empty when it expired, was claimed, or never existed."""
+        dropped: list[str] = []
+        with self._lock:
+            spans = self._claimable.pop(lease, None)
+            record = self._held.get(lease)
+            if spans is None or record is None:
+                return {}
+            _, held = record
+            wanted = set(keys)
+            found = {key: spans[key] for key in held if key in wanted and key in spans}
+            dropped = [key for key in held if key not in found]
+            for key in dropped:
+                del held[key]
+            if held:
+                self._held[lease] = (self._clock() + lease_s, held)
+                self.active += 1
+            else:
+                del self._held[lease]
+        if dropped:
+            self._release(dropped)
+        return found
 
     def give_back(self, lease: int, keys: Iterable[str]) -> list[tuple[str, int]]:
         """Release the named keys of a lease (unknown ones are ignored); `(key, bytes)`
         of those released."""
-        record = self._held.get(lease)
-        if record is None:
-            return []
-        _, held = record
-        released = [(key, held.pop(key)) for key in dict.fromkeys(keys) if key in held]
-        if not held:
-            del self._held[lease]
+        with self._lock:
+            record = self._held.get(lease)
+            if record is None:
+                return []
+            _, held = record
+            released = [(key, held.pop(key)) for key in dict.fromkeys(keys) if key in held]
+            if not held:
+                self._drop(lease)
         if released:
-            self._release(key for key, _ in released)
+            self._release([key for key, _ in released])
         return released
 
     def expire(self) -> int:
         """Release every lease past its expiry; how many pins went."""
         now = self._clock()
-        due = [lease for lease, (until, _) in self._held.items() if until <= now]
-        count = 0
-        for lease in due:
-            _, held = self._held.pop(lease)
-            count += len(held)
-            self._release(held)
-        return count
+        keys: list[str] = []
+        with self._lock:
+            due = [lease for lease, (until, _) in self._held.items() if until <= now]
+            for lease in due:
+                keys.extend(self._held[lease][1])
+                self._drop(lease)
+        if keys:
+            self._release(keys)
+        return len(keys)
 
     def release_all(self) -> None:
-        for _, held in self._held.values():
-            self._release(held)
-        self._held.clear()
+        with self._lock:
+            keys = [key for _, held in self._held.values() for key in held]
+            self._held.clear()
+            self._claimable.clear()
+            self.active = 0
+        if keys:
+            self._release(keys)
+
+    def _drop(self, lease: int) -> None:
+        del self._held[lease]
+        if self._claimable.pop(lease, None) is None:
+            self.active -= 1

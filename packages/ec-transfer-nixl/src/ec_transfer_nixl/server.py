@@ -25,6 +25,7 @@ from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.leases import Leases
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
+    LAPSED,
     MISSING,
     OK,
     SAVING,
@@ -33,7 +34,7 @@ from ec_transfer_nixl.wire import (
     Release,
     Reply,
     WireError,
-    open_frames,
+    open_frame,
     seal,
 )
 
@@ -67,6 +68,7 @@ class PeerServer:
         spans: Callable[[tuple[tuple[int, int], ...], int], list[Span]],
         itemsize: int,
         lease_s: float,
+        handle_lease_s: float = 0.0,
         counters: PeerCounters,
     ) -> None:
         self._context = context
@@ -80,11 +82,21 @@ class PeerServer:
         self._lease_s = lease_s
         self.counters = counters
         self.leases = Leases(local.release)
+        self.handle_lease_s = min(handle_lease_s, lease_s)
+        """How long a request-level handle's lease pins its entries unclaimed
+        (`ec_peer_handle_lease_s`; 0: handles carry no lease)."""
         self.answer_seconds: collections.deque[float] = collections.deque(maxlen=ANSWER_TIMES_KEPT)
-        """How long the latest lookups took in this thread, from the received message
-        to the sent reply (for benchmarks and debugging; bounded)."""
+        """How long the latest batches of lookups took in this thread, from the first
+        message taken off the socket to the last reply sent (for benchmarks and
+        debugging; bounded), and how many lookups each batch held."""
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=ANSWER_TIMES_KEPT)
+        self.busy_seconds = 0.0
+        """CPU time this thread spent taking messages and answering lookups, in all
+        (`time.thread_time`: not the waits for the GIL or for messages)."""
+        self.lookups_answered = 0
         self._warnings = RateLimitedWarnings(logger)
         self._stop = threading.Event()
+        self._stopped = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ec-cpu-peer-server", daemon=True)
@@ -98,12 +110,32 @@ class PeerServer:
 
     def stop(self) -> bool:
         """Stop the thread (its leases are released); False if it did not end in time."""
+        self._stopped = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         return not self._thread.is_alive()
 
     # ------------------------------------------------------------- thread
+
+    def grant_handle(self, keys: dict[str, tuple[int, int]]) -> tuple[int, dict[str, list[Span]]]:
+        """Scheduler thread (`request_finished`, under the scheduler's lock): pin the
+        ready ones of `keys` (key -> shape) for a request-level handle, for
+        HANDLE_LEASE_S; the lease id and the spans of the pinned keys (0, {} if none)."""
+        if self._stopped:
+            return 0, {}
+        items = [(key, rows, cols) for key, (rows, cols) in keys.items()]
+        leased: dict[str, int] = {}
+        spans: dict[str, list[Span]] = {}
+        for (key, rows, cols), (state, runs) in zip(
+            items, self._local.lease_many(items), strict=True
+        ):
+            if state == "ready":
+                nbytes = rows * cols * self._itemsize
+                leased[key] = nbytes
+                spans[key] = self._spans(runs, nbytes)
+        lease = self.leases.grant(leased, self.handle_lease_s, claimable=spans)
+        return lease, spans if lease else {}
 
     def _run(self) -> None:
         try:
@@ -118,71 +150,125 @@ class PeerServer:
         self.agent = agent
         self._ready.set()
         logger.info("EC CPU tier: serving entries to peers on %s", self._listen)
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
+        leases = self.leases
         try:
             while not self._stop.is_set():
-                timeout = LEASED_POLL_MS if len(self.leases) else IDLE_POLL_MS
-                if poller.poll(timeout):
-                    while True:
-                        try:
-                            frames = socket.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(socket, frames)
-                self.agent.notifications()  # drives NIXL's progress; none are sent
-                self.leases.expire()
+                # An unclaimed handle lease has no READ running: no need to poll fast.
+                timeout = LEASED_POLL_MS if leases.active else IDLE_POLL_MS
+                if socket.poll(timeout):
+                    self._serve(socket)
+                agent.notifications()  # drives NIXL's progress; none are sent
+                leases.expire()
         finally:
-            self.leases.release_all()
+            self._stopped = True
+            leases.release_all()
             socket.close(0)
             agent.close()
 
-    def _handle(self, socket: zmq.Socket[Any], frames: list[bytes]) -> None:
-        began = time.perf_counter()
-        routing, *body = frames
-        try:
-            message = open_frames(body, self._secret)
-        except WireError as exc:
-            self.counters.requests_denied += 1
-            self._warnings.warn("denied", "EC CPU tier: dropped a peer message: %s", exc)
-            return
-        if isinstance(message, Lookup):
-            reply = self._answer(message)
-            socket.send_multipart([routing, *seal(reply, self._secret)])
-            self.answer_seconds.append(time.perf_counter() - began)
-        elif isinstance(message, Release):
-            released = self.leases.give_back(message.lease, message.keys)
-            if message.read:  # the READ is over: those bytes were served
-                self.counters.bytes_served += sum(nbytes for _, nbytes in released)
-
-    def _answer(self, lookup: Lookup) -> Reply:
-        """Lease every ready item of the lookup's shape; the statuses and addresses."""
-        reply = Reply(
-            nonce=lookup.nonce,
-            sent_at=time.time(),
-            status=OK,
-            agent=self.agent.name,
-            agent_metadata=self.agent.metadata,
-            lease=0,
-            lease_s=self._lease_s,
-            results=[],
-        )
-        if lookup.fingerprint != self._fingerprint:
-            reply.status = INCOMPATIBLE
-            return reply
-        leased: dict[str, int] = {}
-        for key, rows, cols in lookup.items:
-            if key in leased or any(key == done for done, _, _ in reply.results):
-                continue  # asked twice in one lookup: answered (and pinned) once
-            state, runs = self._local.lease(key, rows, cols)
-            if state != "ready":
-                status = {"saving": SAVING, "shape": SHAPE}.get(state, MISSING)
-                self.counters.lookups_not_ready += status == SAVING
-                reply.results.append((key, status, []))
+    def _serve(self, socket: zmq.Socket[Any]) -> None:
+        """Take every message queued, and answer all its lookups together: one
+        acquisition of the scheduler's lock for the batch, the replies sent after."""
+        began, began_cpu = time.perf_counter(), time.thread_time()
+        recv = socket.recv
+        received: list[tuple[bytes, bytes]] = []
+        # EVENTS is read without letting go of the GIL; a recv that finds nothing would
+        # let go of it (and wait to take it back) only to raise.
+        while int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            routing = recv(zmq.NOBLOCK)
+            if not socket.getsockopt(zmq.RCVMORE):
+                continue  # a frame without a routing id: not a peer's message
+            body = recv(zmq.NOBLOCK)
+            while socket.getsockopt(zmq.RCVMORE):  # more frames: an older wire version's
+                recv(zmq.NOBLOCK)  # (its first frame says which, and it is refused)
+            received.append((routing, body))
+        lookups: list[tuple[bytes, Lookup]] = []
+        releases: list[Release] = []
+        now = time.time()
+        for routing, body in received:
+            try:
+                message = open_frame(body, self._secret, now)
+            except WireError as exc:
+                self.counters.requests_denied += 1
+                self._warnings.warn("denied", "EC CPU tier: dropped a peer message: %s", exc)
                 continue
-            nbytes = rows * cols * self._itemsize
-            reply.results.append((key, OK, list(self._spans(runs, nbytes))))
-            leased[key] = nbytes
-        reply.lease = self.leases.grant(leased, self._lease_s)
-        self.counters.lookups_served += len(leased)
-        return reply
+            if isinstance(message, Lookup):
+                lookups.append((routing, message))
+            elif isinstance(message, Release):
+                releases.append(message)
+        for release in releases:
+            released = self.leases.give_back(release.lease, release.keys)
+            if release.read:  # the READ is over: those bytes were served
+                self.counters.bytes_served += sum(nbytes for _, nbytes in released)
+        if not lookups:
+            return
+        replies = self._answer_all([lookup for _, lookup in lookups])
+        send = socket.send
+        for (routing, _), reply in zip(lookups, replies, strict=True):
+            send(routing, zmq.SNDMORE)
+            send(seal(reply, self._secret))
+        self.answer_seconds.append(time.perf_counter() - began)
+        self.batch_sizes.append(len(lookups))
+        self.busy_seconds += time.thread_time() - began_cpu
+        self.lookups_answered += len(lookups)
+
+    def _answer_all(self, lookups: list[Lookup]) -> list[Reply]:
+        """The replies to `lookups`, in order: the claims first, then every ordinary
+        lookup's items leased under one acquisition of the scheduler's lock."""
+        now = time.time()
+        name, metadata = self.agent.name, self.agent.metadata
+        replies: list[Reply] = []
+        asked: list[tuple[str, int, int]] = []
+        answering: list[tuple[Reply, list[tuple[str, int, int]]]] = []
+        for lookup in lookups:
+            reply = Reply(
+                nonce=lookup.nonce,
+                sent_at=now,
+                status=OK,
+                agent=name,
+                agent_metadata=b"" if lookup.known_agent == name else metadata,
+                lease=0,
+                lease_s=self._lease_s,
+                results=[],
+            )
+            replies.append(reply)
+            if lookup.fingerprint != self._fingerprint:
+                reply.status = INCOMPATIBLE
+            elif lookup.claim:
+                self._claim(lookup, reply)
+            else:
+                items = list({key: (key, r, c) for key, r, c in lookup.items}.values())
+                asked.extend(items)  # a key asked twice in one lookup: answered once
+                answering.append((reply, items))
+        if not asked:
+            return replies
+        states = self._local.lease_many(asked)
+        at = 0
+        itemsize, spans, counters = self._itemsize, self._spans, self.counters
+        for reply, items in answering:
+            leased: dict[str, int] = {}
+            results = reply.results
+            answered, at = states[at : at + len(items)], at + len(items)
+            for (key, rows, cols), (state, runs) in zip(items, answered, strict=True):
+                if state == "ready":
+                    nbytes = rows * cols * itemsize
+                    results.append((key, OK, spans(runs, nbytes)))
+                    leased[key] = nbytes
+                elif state == "saving":
+                    counters.lookups_not_ready += 1
+                    results.append((key, SAVING, []))
+                else:
+                    results.append((key, SHAPE if state == "shape" else MISSING, []))
+            reply.lease = self.leases.grant(leased, self._lease_s)
+            counters.lookups_served += len(leased)
+        return replies
+
+    def _claim(self, lookup: Lookup, reply: Reply) -> None:
+        """A consumer that READs with a handle claims its lease: the same spans per item
+        it still pins, LAPSED for the others."""
+        keys = [key for key, _, _ in lookup.items]
+        found = self.leases.claim(lookup.claim, keys, self._lease_s)
+        reply.lease = lookup.claim if found else 0
+        for key in dict.fromkeys(keys):
+            spans = found.get(key)
+            reply.results.append((key, OK, spans) if spans is not None else (key, LAPSED, []))
+        self.counters.lookups_served += len(found)

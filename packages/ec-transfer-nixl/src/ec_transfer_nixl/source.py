@@ -8,17 +8,29 @@ scheduler thread under the scheduler's lock and never block.
 Request-level handles: `request_finished` returns, for the items of a
 request this engine holds (ready, or being saved),
 
-    {"ec_cpu_tier": {"version": 1, "peer": "HOST:PORT", "fingerprint": "...",
-                     "items": {key: [rows, cols], ...}}}
+    {"ec_cpu_tier": {"version": 2, "peer": "HOST:PORT", "fingerprint": "...",
+                     "items": {key: [rows, cols], ...},
+                     "lease": {"id": 17, "agent": "...", "spans": {key: [[addr, n], ...]},
+                               "issued": 1764000000.5, "ttl": 10.0, "sig": "hex"}}}
 
 which vLLM puts on the output's `ec_transfer_params`. A consumer request that
 carries it (`SamplingParams.extra_args["ec_transfer_params"]`, or the HTTP
 request's top-level field) asks that producer too, with or without `ec_peers`.
+
+`lease` (only when some items are ready) is a pre-granted lease: those items
+are pinned from now for `ttl` seconds (`ec_peer_handle_lease_s`; off, and no
+`lease`, by default) or until a consumer
+claims and releases them, and `sig` (HMAC-SHA256 with the shared secret, over
+every other field) makes it unforgeable. A consumer that knows the
+producer's NIXL agent already READs them at once and confirms the lease while
+the READ runs (see `ec_transfer_nixl.fetcher`). The handle carries no NIXL
+metadata: without the secret, nobody can read the producer's region with it.
 """
 
 from __future__ import annotations
 
 import collections
+import hmac
 import os
 import socket
 import time
@@ -34,9 +46,9 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import Fetcher, FetchTask, ItemFetch
+from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch
 from ec_transfer_nixl.server import PeerServer
-from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint
+from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,6 +60,8 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 HANDLE_KEY = "ec_cpu_tier"
+HANDLE_TTL_MARGIN_S = 0.5
+"""A handle lease this close to its end (by this host's clock) is not READ at once."""
 NEGATIVE_TTL_S = 5.0
 """How long an item no peer could provide is not asked for again."""
 NEGATIVE_MAX = 10_000
@@ -85,7 +99,7 @@ class NixlRemoteSource:
         """Items being fetched, and the task fetching each (one task per item at a time)."""
         self._negative: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._closed = False
-        secret = peers.secret.encode()
+        secret = self._secret = peers.secret.encode()
         self.server: PeerServer | None = None
         self.fetcher: Fetcher | None = None
         self.advertised = _advertised(peers.listen) if peers.listen is not None else None
@@ -101,6 +115,7 @@ class NixlRemoteSource:
                     spans=self._spans,
                     itemsize=self._itemsize,
                     lease_s=peers.lease_s,
+                    handle_lease_s=peers.handle_lease_s,
                     counters=self.counters,
                 )
                 self.server.start()
@@ -167,7 +182,8 @@ class NixlRemoteSource:
             if not self._recently_failed(wanted.key, now):
                 items[wanted.key] = ItemFetch(wanted)
         candidates = list(self._settings.peers)
-        handle_peer = self._handle_peer(request) if items else None
+        handle = self._handle(request) if items else None
+        handle_peer = handle[0] if handle is not None else None
         if handle_peer is not None and handle_peer not in candidates:
             candidates.insert(0, handle_peer)
         if not candidates or not items:
@@ -178,6 +194,7 @@ class NixlRemoteSource:
             candidates=tuple(candidates),
             lookup_deadline=now + self._settings.lookup_timeout_s,
             deadline=now + self._settings.fetch_timeout_s,
+            handle=handle[1] if handle is not None else None,
         )
         self._tasks[request.request_id] = task
         for key in items:
@@ -189,7 +206,9 @@ class NixlRemoteSource:
         if self.fetcher is not None and not self._closed:
             self.fetcher.kick()
 
-    def _handle_peer(self, request: Request) -> PeerAddress | None:
+    def _handle(self, request: Request) -> tuple[PeerAddress, HandleLease | None] | None:
+        """The producer a request's handle names, and its pre-granted lease if it
+        carries one that is signed with the secret and not about to end."""
         params = getattr(request, "ec_transfer_params", None)
         handle = params.get(HANDLE_KEY) if isinstance(params, dict) else None
         if not isinstance(handle, dict):
@@ -208,7 +227,37 @@ class NixlRemoteSource:
             )
             self.counters.fell_back("incompatible")
             return None
-        return peer
+        return peer, self._handle_lease(peer, handle)
+
+    def _handle_lease(self, peer: PeerAddress, handle: dict[str, Any]) -> HandleLease | None:
+        lease = handle.get("lease")
+        if not isinstance(lease, dict):
+            return None
+        try:
+            fields = _lease_fields(handle, lease)
+            signed = handle_signature(self._secret, fields)
+            if not hmac.compare_digest(signed, str(lease["sig"])):
+                self._warnings.warn(
+                    "handle-sig", "EC CPU tier: ignoring a handle lease not signed with the secret"
+                )
+                return None
+            if time.time() > float(fields["issued"]) + float(fields["ttl"]) - HANDLE_TTL_MARGIN_S:
+                return None  # (nearly) over: a plain lookup instead
+            spans = {
+                str(key): [(int(a), int(n)) for a, n in runs]
+                for key, runs in fields["spans"].items()
+            }
+            shapes = {str(key): (int(r), int(c)) for key, (r, c) in fields["items"].items()}
+            return HandleLease(
+                peer=peer,
+                lease=int(fields["id"]),
+                agent=str(fields["agent"]),
+                spans=spans,
+                shapes=shapes,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            self._warnings.warn("handle", "EC CPU tier: ignoring a malformed handle lease")
+            return None
 
     def _recently_failed(self, key: str, now: float) -> bool:
         until = self._negative.get(key)
@@ -241,14 +290,25 @@ class NixlRemoteSource:
                 items[feature.identifier] = [shape[0], shape[1]]
         if not items:
             return None
-        return {
-            HANDLE_KEY: {
-                "version": WIRE_VERSION,
-                "peer": self.advertised,
-                "fingerprint": self.fingerprint,
-                "items": items,
-            }
+        handle: dict[str, Any] = {
+            "version": WIRE_VERSION,
+            "peer": self.advertised,
+            "fingerprint": self.fingerprint,
+            "items": items,
         }
+        if self.server is not None and self.server.handle_lease_s > 0:
+            lease, spans = self.server.grant_handle({k: (r, c) for k, (r, c) in items.items()})
+            if lease:
+                granted: dict[str, Any] = {
+                    "id": lease,
+                    "agent": self.server.agent.name,
+                    "spans": {key: [[a, n] for a, n in runs] for key, runs in spans.items()},
+                    "issued": time.time(),
+                    "ttl": self.server.handle_lease_s,
+                }
+                granted["sig"] = handle_signature(self._secret, _lease_fields(handle, granted))
+                handle["lease"] = granted
+        return {HANDLE_KEY: handle}
 
     # --------------------------------------------------------------- misc
 
@@ -268,6 +328,20 @@ class NixlRemoteSource:
         if threads_done:  # term() would wait for sockets a hung thread still holds
             self._context.term()
         self._region.cleanup()
+
+
+def _lease_fields(handle: dict[str, Any], lease: dict[str, Any]) -> dict[str, Any]:
+    """What a handle lease's signature covers: everything a consumer acts on."""
+    return {
+        "peer": handle["peer"],
+        "fingerprint": handle["fingerprint"],
+        "items": handle["items"],
+        "id": lease["id"],
+        "agent": lease["agent"],
+        "spans": lease["spans"],
+        "issued": lease["issued"],
+        "ttl": lease["ttl"],
+    }
 
 
 def _advertised(listen: PeerAddress) -> str:

@@ -1,14 +1,22 @@
 """What peers say to each other, and how a message proves it knows the shared secret.
 
-Used by the producer's server thread and the consumer's fetcher thread (both
-in the scheduler process). Every message is three ZMQ frames:
+Used by the producer's server thread, the consumer's fetcher thread and the
+scheduler thread (handles), all in the scheduler process. Every message is
+one ZMQ frame:
 
-    [MAGIC, payload, mac]     mac = HMAC-SHA256(secret, MAGIC + payload)
+    MAGIC + payload + mac     mac = HMAC-SHA256(secret, MAGIC + payload), 32 bytes
 
 `payload` is a msgspec-msgpack `Lookup`, `Release` or `Reply`. A message whose
 mac does not verify, whose magic (wire version) differs, or whose `sent_at`
 is further than FRESH_S from the receiver's clock is dropped unanswered:
 without the secret a peer gets no answer, no pin and no address to read.
+One frame, not three: every ZMQ send or receive releases the GIL, and each
+time it is taken back costs a wait for whatever other thread holds it.
+
+A request-level handle (`handle_signature`) carries a pre-granted lease: the
+spans of the producer's ready entries, pinned when the handle was made, and
+an HMAC over all of it, so a consumer starts its READ at once and the
+producer confirms the lease (a *claim*) while the READ runs.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAGIC = f"ECCPUTIER/{WIRE_VERSION}".encode()
+MAC_BYTES = 32
 FRESH_S = 120.0
 """How far a message's `sent_at` may be from the receiver's clock."""
 
@@ -31,16 +40,28 @@ MISSING = "missing"
 SAVING = "saving"
 SHAPE = "shape"
 INCOMPATIBLE = "incompatible"
+LAPSED = "lapsed"
+"""A claimed handle lease no longer holds the item (expired, claimed before, or
+unknown): the consumer asks again with an ordinary lookup."""
 
 
 class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
-    """Consumer → producer: lease these items, of these shapes, for one fetch."""
+    """Consumer → producer: lease these items, of these shapes, for one fetch.
+
+    With `claim` (a handle's lease id), no new lease: the producer confirms, per
+    item, that the handle's lease still pins it (OK, the same spans), and keeps
+    it pinned for `lease_s` more; the lease can be claimed once.
+    """
 
     nonce: int
     sent_at: float
     fingerprint: str
     items: list[tuple[str, int, int]]
     """`(key, rows, cols)` per item."""
+    known_agent: str = ""
+    """The producer's NIXL agent this consumer knows already: its metadata is then
+    not sent again."""
+    claim: int = 0
 
 
 class Release(msgspec.Struct, array_like=True, tag="release"):
@@ -59,7 +80,8 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
 
     `status` is INCOMPATIBLE for the whole message when the fingerprints
     differ (then `results` is empty). A leased item stays pinned on the
-    producer until the consumer's Release or `lease_s` seconds.
+    producer until the consumer's Release or `lease_s` seconds. The agent's
+    metadata is empty when the lookup named this agent as known.
     """
 
     nonce: int
@@ -75,37 +97,45 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
 
 Message = Lookup | Release | Reply
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
-_encoder = msgspec.msgpack.Encoder()
+_encode = msgspec.msgpack.Encoder().encode
+_digest = hmac.digest
+_HEAD = len(MAGIC)
 
 
 class WireError(ValueError):
     """A message that must be dropped: wrong version, mac, age or shape."""
 
 
-def seal(message: Message, secret: bytes) -> list[bytes]:
-    """The frames that carry `message`."""
-    payload = _encoder.encode(message)
-    return [MAGIC, payload, hmac.new(secret, MAGIC + payload, hashlib.sha256).digest()]
+def seal(message: Message, secret: bytes) -> bytes:
+    """The frame that carries `message`."""
+    body = MAGIC + _encode(message)
+    return body + _digest(secret, body, "sha256")
 
 
-def open_frames(frames: list[bytes], secret: bytes, now: float | None = None) -> Message:
-    """The message in `frames`, or WireError when it must be dropped unanswered."""
-    if len(frames) != 3:
-        raise WireError(f"expected 3 frames, got {len(frames)}")
-    magic, payload, mac = frames
-    if magic != MAGIC:
-        raise WireError(f"wire version {magic[:32]!r}, this peer speaks {MAGIC!r}")
-    expected = hmac.new(secret, MAGIC + payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(mac, expected):
+def open_frame(frame: bytes, secret: bytes, now: float | None = None) -> Message:
+    """The message in `frame`, or WireError when it must be dropped unanswered."""
+    if not frame.startswith(MAGIC):
+        raise WireError(f"wire version {frame[:32]!r}, this peer speaks {MAGIC!r}")
+    if len(frame) < _HEAD + MAC_BYTES:
+        raise WireError(f"a frame of {len(frame)} bytes is too short")
+    body = frame[:-MAC_BYTES]
+    if not hmac.compare_digest(frame[-MAC_BYTES:], _digest(secret, body, "sha256")):
         raise WireError("the message is not signed with this engine's ec_peer_secret")
     try:
-        message: Message = _decoder.decode(payload)
+        message: Message = _decoder.decode(body[_HEAD:])
     except msgspec.DecodeError as exc:
         raise WireError(f"malformed payload: {exc}") from None
     clock = time.time() if now is None else now
     if abs(clock - message.sent_at) > FRESH_S:
         raise WireError(f"stale message (sent {clock - message.sent_at:.0f} s ago)")
     return message
+
+
+def handle_signature(secret: bytes, fields: dict[str, Any]) -> str:
+    """The HMAC (hex) that makes a handle's pre-granted lease unforgeable: over every
+    field a consumer acts on (peer, fingerprint, lease, agent, items, spans, time)."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return _digest(secret, MAGIC + text.encode(), "sha256").hex()
 
 
 def fingerprint(
