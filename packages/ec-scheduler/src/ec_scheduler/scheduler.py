@@ -142,6 +142,7 @@ class ECCPUScheduler:
         self._worker_step = 0
         self._next_tid = 0
         self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
+        self._warn_now_and_then = RateLimitedWarnings(logger).warn
         self._shut_down = False
         self._deferred = False
         """A request was deferred since the last build_connector_meta (see there)."""
@@ -279,7 +280,8 @@ class ECCPUScheduler:
         return True
 
     def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
-        logger.warning(
+        self._warn_now_and_then(
+            "stale",
             "EC CPU tier: entry %s holds %d rows but request %s needs %d for that "
             "item (reused multimodal UUID?); dropping it and encoding again",
             entry.key,
