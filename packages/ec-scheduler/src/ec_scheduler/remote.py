@@ -136,19 +136,7 @@ class LocalEntries:
         self, key: str, rows: int, cols: int
     ) -> tuple[EntryState | Literal["shape"], tuple[Run, ...]]:
         """Pin a ready entry of exactly `(rows, cols)` for a peer; its runs, or why not."""
-        with self._lock:
-            if self.closed:
-                return "missing", ()
-            self._refresh()
-            entry = self._allocator.get(key)
-            if entry is None or self._is_stale(key):
-                return "missing", ()
-            if not entry.ready:
-                return "saving", ()
-            if entry.shape != (rows, cols):
-                return "shape", ()
-            self._allocator.pin(key)
-            return "ready", entry.runs
+        return self.lease_many(((key, rows, cols),))[0]
 
     def lease_many(
         self, items: Sequence[tuple[str, int, int]]
@@ -191,12 +179,7 @@ class LocalEntries:
         The entry is not ready: nothing loads it and no save is allocated for
         its key until `landed` or `abandon`.
         """
-        with self._lock:
-            if self.closed or key in self._allocator:
-                return None
-            blocks = self._blocks_for(rows, cols)
-            entry = self._allocator.alloc(key, blocks, (rows, cols), force=True)
-            return entry.runs if entry is not None else None
+        return self.reserve_many(((key, rows, cols),))[0]
 
     def reserve_many(self, wanted: Sequence[tuple[str, int, int]]) -> list[tuple[Run, ...] | None]:
         """`reserve` for each `(key, rows, cols)`, under one acquisition of the lock."""
@@ -228,12 +211,7 @@ class LocalEntries:
 
     def landed(self, key: str) -> bool:
         """The fetched bytes are in place: make the entry ready (False if it went away)."""
-        with self._lock:
-            entry = self._allocator.get(key)
-            if self.closed or entry is None or entry.ready:
-                return False
-            self._allocator.mark_ready(key)
-            return True
+        return self.landed_many((key,))[0]
 
     def abandon(self, key: str) -> None:
         """Free a reservation whose fetch failed (only once nothing can write to it)."""

@@ -247,14 +247,12 @@ class ECCPUScheduler:
         entries = self.allocator.get
         for feature in request.mm_features:
             entry = entries(feature.identifier)
-            if entry is None or not entry.ready or entry.shape is None:
+            if entry is None:
                 continue
             position = feature.mm_position
             if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            rows = position.get_num_embeds()
-            if entry.shape[0] != rows:
-                self._retire_stale(entry, rows, request.request_id)
+            self._holds(entry, position.get_num_embeds(), request.request_id)
 
     def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
         """With a remote source: retire stale entries and offer it what is missing."""
@@ -266,10 +264,8 @@ class ECCPUScheduler:
                 continue  # already consumed by the model; will not be looked up
             entry = entries(feature.identifier)
             rows = position.get_num_embeds()
-            if entry is not None and entry.ready and entry.shape is not None:
-                if entry.shape[0] == rows:
-                    continue
-                self._retire_stale(entry, rows, request.request_id)
+            if entry is not None and self._holds(entry, rows, request.request_id):
+                continue
             if rows > 0:  # absent, or not ready yet: its save or fetch is under way
                 missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
         # Asked even with nothing missing: items being fetched for this request are
@@ -278,6 +274,16 @@ class ECCPUScheduler:
             self._deferred = True
             return False
         return True
+
+    def _holds(self, entry: Entry, rows: int, request_id: str) -> bool:
+        """True if `entry` is ready and holds exactly `rows` rows. A ready entry
+        with another row count is stale: it is retired here and False returned."""
+        if not entry.ready or entry.shape is None:
+            return False
+        if entry.shape[0] == rows:
+            return True
+        self._retire_stale(entry, rows, request_id)
+        return False
 
     def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
         self._warn_now_and_then(

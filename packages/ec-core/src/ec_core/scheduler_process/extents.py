@@ -82,11 +82,7 @@ class FreeExtents:
         index = bisect_left(by_size, (n, -1))
         if index == len(by_size):
             return None
-        length, start = by_size[index]
-        del by_size[index]
-        del self.lengths_by_start[start]
-        del self.starts_by_end[start + length]
-        self.total -= length
+        length, start = self._remove_at(index)
         if length > n:
             self._insert(start + n, length - n)
         return (start, n)
@@ -114,9 +110,8 @@ class FreeExtents:
             raise ValueError(f"asked for {n} blocks but only {self.total} are free")
         taken: list[Run] = []
         while n > 0:
-            length, start = self._by_size[-1]
+            length, start = self._remove_at(len(self._by_size) - 1)
             use = min(length, n)
-            self._remove(start)
             if length > use:
                 self._insert(start + use, length - use)
             taken.append((start, use))
@@ -144,10 +139,16 @@ class FreeExtents:
         self.total += length
 
     def _remove(self, start: int) -> None:
-        length = self.lengths_by_start.pop(start)
+        length = self.lengths_by_start[start]
+        index = bisect_left(self._by_size, (length, start))
+        assert self._by_size[index] == (length, start), "size index out of date"
+        self._remove_at(index)
+
+    def _remove_at(self, index: int) -> tuple[int, int]:
+        """Take the free run at `index` of the size index out of all three indexes;
+        its `(length, start)`."""
+        length, start = self._by_size.pop(index)
+        del self.lengths_by_start[start]
         del self.starts_by_end[start + length]
-        by_size = self._by_size
-        index = bisect_left(by_size, (length, start))
-        assert by_size[index] == (length, start), "size index out of date"
-        del by_size[index]
         self.total -= length
+        return length, start

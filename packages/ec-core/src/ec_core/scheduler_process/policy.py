@@ -588,9 +588,7 @@ class WTinyLFUPolicy(_FirstSightingGate):
                 self._lru.insert(key, size)
             if tiny_blocks is None:
                 self._tiny.insert(key, size)
-            sample[0] += size
-            if sample[0] >= self._sample_blocks:
-                self._end_sample()
+            self._count_requested(size)
         if key in self._refused.sizes:
             self._refused.pop(key)
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
@@ -697,8 +695,13 @@ class WTinyLFUPolicy(_FirstSightingGate):
         self._unsized = None
         self._lru.insert(key, blocks)
         self._tiny.insert(key, blocks)
-        self._sample[0] += blocks
-        if self._sample[0] >= self._sample_blocks:
+        self._count_requested(blocks)
+
+    def _count_requested(self, blocks: int) -> None:
+        """Count a request's blocks in the sample; end the sample once it is full."""
+        sample = self._sample
+        sample[0] += blocks
+        if sample[0] >= self._sample_blocks:
             self._end_sample()
 
     def _grow_sketch(self) -> None:
