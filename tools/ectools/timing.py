@@ -19,14 +19,19 @@ def medians_in_turns(
     Each function is called once first (warm-up). `sync` runs before and after every
     timed call (a device synchronise; nothing for host work), so asynchronous work is
     inside its own call's time. Timing in turns makes a noisy neighbour slow every side
-    alike.
+    alike; the order rotates from round to round, so the cache state one function leaves
+    favours no other.
     """
     for fn in fns:
         fn()
     sync()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for index, fn in enumerate(fns):
+    order = list(enumerate(fns))
+    for round_number in range(repeats):
+        # Each round starts one function later, so every function follows every
+        # other equally often: none always runs in the caches its predecessor left.
+        shift = round_number % len(order)
+        for index, fn in order[shift:] + order[:shift]:
             sync()
             began = time.perf_counter()
             fn()

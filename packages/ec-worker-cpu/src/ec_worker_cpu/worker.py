@@ -50,8 +50,15 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PREFAULT_MIN_BYTES = 32 << 20
 """From this size on glibc serves every allocation with a fresh mapping (32 MiB
 is the cap of its dynamic mmap threshold), which faults on every page; smaller
-ones usually reuse warm heap memory of an entry freed before. So loads this
-large are pooled, and a fresh pooled buffer is pre-faulted."""
+ones usually reuse warm heap memory of an entry freed before. So a fresh pooled
+buffer this large is pre-faulted."""
+
+_POOL_MIN_BYTES = 1 << 20
+"""Loads from this size on are pooled. Below 32 MiB glibc's heap is warm only while
+it is not trimmed: a step that loads many 1 MiB entries after vLLM freed as many
+gives them back to the kernel and faults them in again (`hatch run bench-copy`,
+16x1MB rows). A recycled buffer never faults; smaller entries cost more in the
+pool's bookkeeping than they lose to the heap."""
 
 
 def _size_class(nbytes: int) -> int:
@@ -115,7 +122,7 @@ class LoadBufferPool:
         ones when their entries are.
     """
 
-    def __init__(self, idle_limit: int, min_bytes: int = _PREFAULT_MIN_BYTES) -> None:
+    def __init__(self, idle_limit: int, min_bytes: int = _POOL_MIN_BYTES) -> None:
         self.idle_limit = idle_limit
         self.min_bytes = min_bytes
         """Smaller requests are plain allocations (not pooled)."""
@@ -201,15 +208,15 @@ class LoadBufferPool:
 class CpuECCPUWorker(ECCPUWorker):
     """Synchronous host-memory copies; one `memcpy` per run of blocks.
 
-    Entries of 32 MiB and more are loaded into recycled, pre-faulted buffers
-    (`LoadBufferPool`); one is reused only after vLLM freed every tensor over
-    it. Smaller ones get plain tensors (glibc's heap is warm for them).
+    Entries of 1 MiB and more are loaded into recycled buffers
+    (`LoadBufferPool`, pre-faulted when fresh from 32 MiB on); one is reused
+    only after vLLM freed every tensor over it. Smaller ones get plain tensors.
     """
 
     load_pool_idle_bytes: ClassVar[int] = 256 << 20
     """How many bytes of freed load buffers may wait for reuse."""
-    load_pool_min_bytes: ClassVar[int] = _PREFAULT_MIN_BYTES
-    """Entries from this size on are loaded into pooled buffers (see `_PREFAULT_MIN_BYTES`)."""
+    load_pool_min_bytes: ClassVar[int] = _POOL_MIN_BYTES
+    """Entries from this size on are loaded into pooled buffers (see `_POOL_MIN_BYTES`)."""
 
     def __init__(
         self,
