@@ -66,8 +66,14 @@ def test_free_extents_take_from_carves_the_named_run_only() -> None:
     free.check()
 
 
+class _WindowLRU(LRUPolicy):
+    """LRU order, but windows of neighbours allowed (a policy whose order is not strict)."""
+
+    strict_order = False
+
+
 def test_the_victim_that_opens_a_run_is_carved_where_it_was() -> None:
-    alloc = BlockAllocator(12)
+    alloc = BlockAllocator(12, _WindowLRU())
     for key in ("a", "b", "c"):
         assert alloc.alloc(key, 4) is not None
         alloc.mark_ready(key)
@@ -76,6 +82,7 @@ def test_the_victim_that_opens_a_run_is_carved_where_it_was() -> None:
     # too short, so the window search decides; "b" then frees [4, 12) with "c"'s space.
     entry = alloc.alloc("d", 6)
     assert entry is not None and len(entry.runs) == 1
+    assert alloc.get("a") is not None and alloc.get("b") is None
     alloc.check()
     # Same size as the victim: the fast path carves the victim's own run.
     assert alloc.alloc("e", 2) is not None  # the free tail
@@ -86,6 +93,53 @@ def test_the_victim_that_opens_a_run_is_carved_where_it_was() -> None:
     assert victim is not None
     again = alloc.alloc("f", victim.num_blocks)
     assert again is not None and again.runs == victim.runs
+    alloc.check()
+
+
+def test_a_strict_order_evicts_the_first_victims_and_splits_the_entry() -> None:
+    # The same pool as above with plain LRU, whose order is strict: "a" goes, not
+    # "b" (younger) for the sake of one run, and "d" lies in two runs.
+    alloc = BlockAllocator(12)
+    assert alloc.policy.strict_order
+    for key in ("a", "b", "c"):
+        assert alloc.alloc(key, 4) is not None
+        alloc.mark_ready(key)
+    alloc.drop("c")  # free: [8, 12)
+    entry = alloc.alloc("d", 6)
+    assert entry is not None and sorted(entry.runs) == list(entry.runs)
+    assert len(entry.runs) == 2 and entry.num_blocks == 6
+    assert alloc.get("a") is None and alloc.get("b") is not None
+    assert len(alloc.block_ids(entry)) == 6
+    alloc.check()
+
+
+def test_a_strict_order_still_takes_a_window_that_costs_no_more() -> None:
+    # Layout a(2) c(2) b(6) d(2), LRU order a, b, c, d. Four blocks: the policy's
+    # victims are a and b (cost 2*1 + 6*2 = 14); the window a + c, [0, 4),
+    # costs 2*1 + 2*3 = 8, so it is taken: one run, and b (6 blocks) stays.
+    alloc = BlockAllocator(12)
+    for key, n in (("a", 2), ("c", 2), ("b", 6), ("d", 2)):
+        assert alloc.alloc(key, n) is not None
+    for key in "abcd":
+        alloc.mark_ready(key)
+    entry = alloc.alloc("x", 4)
+    assert entry is not None and entry.runs == ((0, 4),)
+    assert [key for key in "abcd" if alloc.get(key) is not None] == ["b", "d"]
+    alloc.check()
+
+
+def test_a_strict_order_frees_its_first_victim_rather_than_many_pieces() -> None:
+    # Free blocks add up to the request but lie in pieces: the first victim goes
+    # anyway (it is next in line), so the entry takes fewer, longer runs.
+    alloc = BlockAllocator(16)
+    for key in "abcdefgh":
+        assert alloc.alloc(key, 2) is not None
+        alloc.mark_ready(key)
+    for key in ("b", "d", "f"):
+        alloc.drop(key)  # free: [2, 4), [6, 8), [10, 12)
+    entry = alloc.alloc("x", 6)
+    assert entry is not None and alloc.get("a") is None
+    assert len(entry.runs) == 2  # [0, 4) and one more piece, not three pieces
     alloc.check()
 
 

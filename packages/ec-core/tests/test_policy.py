@@ -198,8 +198,10 @@ def test_wtinylfu_guard_enters_recency_mode_on_recency_traffic_and_leaves_it() -
     policy = WTinyLFUPolicy(pool)
     alloc = BlockAllocator(pool, policy)
     recency = _sliding_sessions(1500)
+    assert not policy.strict_order
     _replay(alloc, recency[:600], 10)
     assert policy.recency_mode and policy.window_share == 1.0
+    assert policy.strict_order, "in recency mode the allocator keeps LRU's order exactly"
     served = _replay(alloc, recency[600:], 10)
     lru = BlockAllocator(pool, LRUPolicy())
     _replay(lru, recency[:600], 10)
@@ -208,6 +210,7 @@ def test_wtinylfu_guard_enters_recency_mode_on_recency_traffic_and_leaves_it() -
     frequency = _hot_set_with_scans(60)
     _replay(alloc, frequency[:1500], 10)
     assert not policy.recency_mode and policy.mode_changes >= 2
+    assert not policy.strict_order
     served = _replay(alloc, frequency[1500:], 10)
     _replay(lru, frequency[:1500], 10)
     assert served > 1.2 * _replay(lru, frequency[1500:], 10)

@@ -27,6 +27,17 @@ class EvictionPolicy(Protocol):
 
     name: str
 
+    @property
+    def strict_order(self) -> bool:
+        """Whether the allocator must evict in exactly this policy's order now.
+
+        True: the order carries the policy's information (recency), so a new
+        entry never costs an entry the order ranks later than the victims it
+        names, even if that splits the new entry over several runs. False: the
+        allocator may evict a window of address-adjacent entries, weighed by
+        their rank in the order, to keep the new entry in one run.
+        """
+
     def on_request(self, key: str) -> None:
         """Someone asked for `key` (a lookup, hit or miss)."""
 
@@ -62,6 +73,8 @@ class LRUPolicy:
     """
 
     name = "lru"
+    strict_order = True
+    """Recency is all LRU knows: it is evicted in exactly that order."""
 
     def __init__(self, num_blocks: int = 0) -> None:
         """`num_blocks` is accepted for a uniform constructor and not needed."""
@@ -181,6 +194,8 @@ class S3LFUPolicy(_FirstSightingGate):
     """
 
     name = "s3lfu"
+    strict_order = False
+    """LFU priorities are coarse: a cheaper window near the first victims is as good."""
 
     def __init__(
         self,
@@ -454,7 +469,9 @@ class WTinyLFUPolicy(_FirstSightingGate):
       them (by more than `guard_margin` of the sample, else it stays): when
       LRU won it enters **recency mode** — the window is the whole pool, every
       hit moves its entry to the window's most recent end, no duels happen,
-      so the victim order becomes LRU's as the old main entries age out;
+      so the victim order becomes LRU's as the old main entries age out, and
+      the allocator keeps that order exactly (`strict_order`), splitting a
+      new entry rather than evicting out of order;
       when the frequency expert won it leaves it, with the window back at
       its initial share. A paired comparison on the same requests, so the
       workload's own drift does not mislead it; it costs two dictionary
@@ -671,6 +688,13 @@ class WTinyLFUPolicy(_FirstSightingGate):
     def candidates(self) -> Iterator[str]:
         for segment in (_OUTGOING, _PROBATION, _WINDOW, _PROTECTED):
             yield from self._order[segment]
+
+    @property
+    def strict_order(self) -> bool:
+        """In recency mode the order is LRU's, and LRU's hit ratio depends on it
+        exactly; in frequency mode the duel and the segments carry the
+        information, and a window of neighbours weighed by rank does as well."""
+        return self.recency_mode
 
     @property
     def window_share(self) -> float:
