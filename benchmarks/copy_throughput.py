@@ -56,12 +56,15 @@ def measure(worker: CpuECCPUWorker, mb: int, repeats: int, count: int = 1) -> li
     rows = nbytes // (WIDTH * 2)
     keys = [f"e{i}" for i in range(count)]
     # Entry i gets blocks [i * rows, (i + 1) * rows): one run each, what the allocator
-    # hands out.
+    # hands out; the metadata carries the runs as the scheduler's does.
     blocks = {key: list(range(i * rows, (i + 1) * rows)) for i, key in enumerate(keys)}
+    runs = {key: ((i * rows, rows),) for i, key in enumerate(keys)}
     sources = {key: torch.randn(rows, WIDTH).to(torch.bfloat16) for key in keys}
-    save_meta = ECCPUConnectorMetadata(saves=blocks, save_shapes=dict.fromkeys(keys, (rows, WIDTH)))
+    save_meta = ECCPUConnectorMetadata(
+        saves=blocks, save_shapes=dict.fromkeys(keys, (rows, WIDTH)), runs=runs
+    )
     load_meta = ECCPUConnectorMetadata(
-        loads={key: (i, blocks[key], (rows, WIDTH)) for i, key in enumerate(keys)}
+        loads={key: (i, blocks[key], (rows, WIDTH)) for i, key in enumerate(keys)}, runs=runs
     )
     region_addr = worker.region.base_address
     block_size = worker.block_size

@@ -22,7 +22,7 @@ def test_types_subclass_vllm_bases() -> None:
 def test_fields_and_defaults_match_the_in_tree_design() -> None:
     """The in-tree design's fields come first with its types; additions have defaults."""
     fields = {f.name: f for f in dataclasses.fields(ECCPUConnectorMetadata)}
-    assert list(fields) == ["saves", "loads", "step", "save_shapes"]
+    assert list(fields) == ["saves", "loads", "step", "save_shapes", "runs"]
     assert fields["saves"].type == "dict[str, list[int]]"
     assert fields["loads"].type == "dict[str, tuple[int, list[int], tuple[int, int]]]"
     assert ECCPUConnectorMetadata({"a": [1]}, {}).step == 0
@@ -31,7 +31,7 @@ def test_fields_and_defaults_match_the_in_tree_design() -> None:
     assert worker_fields["completed_saves"].type == "list[str]"
     assert worker_fields["completed_loads"].type == "list[int]"
     meta = ECCPUConnectorMetadata()
-    assert meta.saves == {} and meta.loads == {}
+    assert meta.saves == {} and meta.loads == {} and meta.runs == {}
     report = ECCPUWorkerMetadata()
     assert report.completed_saves == [] and report.completed_loads == []
 

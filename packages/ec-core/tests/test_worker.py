@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.worker_process.entries import ECCPULoadError
@@ -19,6 +21,7 @@ from ec_core.worker_process.transfer import (
     TransferDirection,
     TransferHandle,
     block_runs,
+    checked_runs,
 )
 from ec_core.worker_process.worker import ECCPUWorker
 from ectools.configs import make_vllm_config
@@ -173,6 +176,56 @@ def test_block_runs() -> None:
     assert block_runs([7, 6, 5]) == [(7, 1), (6, 1), (5, 1)]
 
 
+def test_checked_runs_take_the_metadatas_runs_only_when_they_fit_the_ids() -> None:
+    ids = [4, 5, 6, 10, 11]
+    sent = ((4, 3), (10, 2))
+    assert checked_runs(ids, sent) == [(4, 3), (10, 2)]
+    assert checked_runs(ids, None) == block_runs(ids)
+    # Runs that do not describe the ids are not trusted: the ids decide.
+    for wrong in (
+        ((4, 5),),  # the ends do not sit where the run says
+        ((4, 3), (10, 1)),  # too few ids
+        ((4, 3), (10, 3)),  # more ids than the list holds
+        ((4, 3), (10, 2), (20, 1)),
+        ((4, 0), (4, 3), (10, 2)),  # an empty run
+        ((5, 3), (10, 2)),
+        (),
+    ):
+        assert checked_runs(ids, wrong) == [(4, 3), (10, 2)], wrong
+    assert checked_runs([], ()) == []
+    assert checked_runs([], ((0, 1),)) == []
+    assert block_runs([5, 9, 7, 8]) == [(5, 1), (9, 1), (7, 2)]
+    assert block_runs([0, 1, 2, 9, 4, 5]) == [(0, 3), (9, 1), (4, 2)]
+    assert block_runs((1, 2, 3)) == [(1, 3)]
+
+
+def _runs_one_by_one(ids: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for block in ids:
+        if runs and block == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+@given(st.lists(st.integers(min_value=0, max_value=40), max_size=60))
+def test_block_runs_of_any_list_match_a_scan(ids: list[int]) -> None:
+    assert block_runs(ids) == _runs_one_by_one(ids)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 50)), min_size=1, max_size=12))
+def test_block_runs_of_rising_runs_are_those_runs(gaps_and_lengths: list[tuple[int, int]]) -> None:
+    # What the allocator hands out: ascending runs with gaps (a zero gap merges two).
+    ids: list[int] = []
+    position = 0
+    for gap, length in gaps_and_lengths:
+        position += gap
+        ids.extend(range(position, position + length))
+        position += length
+    assert block_runs(ids) == _runs_one_by_one(ids)
+
+
 def test_descriptor_batch_split() -> None:
     batch = DescriptorBatch()
     for i in range(10):
@@ -204,6 +257,30 @@ def test_save_then_load_round_trips_bytes(worker: HostBackend) -> None:
     assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, 3)
     assert torch.equal(cache["a"], a) and torch.equal(cache["b"], b)
     assert cache["a"].shape == (8, WIDTH) and cache["a"].dtype == torch.float32
+
+
+def test_runs_sent_with_the_metadata_become_the_descriptors(worker: HostBackend) -> None:
+    """The scheduler sends each entry's runs; the worker copies by them, and runs
+    that do not fit the ids (here: a lie about the first one) are not trusted."""
+    a = torch.randn(6, WIDTH)
+    a_blocks = [20, 21, 22, 50, 51, 52]
+    meta = ECCPUConnectorMetadata(
+        saves={"a": a_blocks}, save_shapes={"a": (6, WIDTH)}, runs={"a": ((20, 3), (50, 3))}
+    )
+    worker.bind(meta)
+    worker.save_caches({"a": a}, "a", meta)
+    worker.get_finished()
+    assert worker.build_connector_worker_meta().completed_saves == ["a"]
+    assert worker.submits[-1] == (TransferDirection.DEVICE_TO_HOST, 2)
+    for runs in (((20, 3), (50, 3)), ((21, 3), (50, 3))):  # the second does not fit
+        cache: dict[str, torch.Tensor] = {}
+        meta = ECCPUConnectorMetadata(loads={"a": (7, a_blocks, (6, WIDTH))}, runs={"a": runs})
+        worker.bind(meta)
+        worker.start_load_caches(cache, meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().completed_loads == [7]
+        assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, 2)
+        assert torch.equal(cache["a"], a)
 
 
 def test_loaded_entries_own_their_memory(worker: HostBackend) -> None:

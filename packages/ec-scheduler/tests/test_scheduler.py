@@ -40,6 +40,7 @@ def test_offload_then_reuse_cycle(make_scheduler: SchedulerFactory) -> None:
     assert first.meta.loads == {}
     saved_blocks = first.meta.saves[H]
     assert saved_blocks == list(range(8))  # 8 rows x 128 fp32 = 8 blocks, one run
+    assert first.meta.runs == {H: ((0, 8),)}, "the descriptors travel with the ids"
     assert not scheduler.has_cache_item(H), "not ready until the save is reported"
     scheduler.build_connector_meta(scheduler_output())  # release that lookup's nothing
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(first.meta)))
@@ -49,6 +50,7 @@ def test_offload_then_reuse_cycle(make_scheduler: SchedulerFactory) -> None:
     assert second.meta.saves == {}
     tid, blocks, shape = second.meta.loads[H]
     assert blocks == saved_blocks
+    assert second.meta.runs == {H: ((0, 8),)}
     assert shape == (8, WIDTH)
     assert isinstance(tid, int)
     assert scheduler.counters.hits == 1
@@ -60,7 +62,7 @@ def test_build_connector_meta_resets_per_step_state(make_scheduler: SchedulerFac
     meta = StepDriver(scheduler).step([make_request("r", [Item(H)])]).meta
     assert isinstance(meta, ECCPUConnectorMetadata)
     again = scheduler.build_connector_meta(scheduler_output())
-    assert again.saves == {} and again.loads == {}
+    assert again.saves == {} and again.loads == {} and again.runs == {}
     assert again is not meta
 
 

@@ -40,13 +40,18 @@ class ECCPUConnectorMetadata(ECConnectorMetadata):
     `step` numbers the metadata objects one scheduler builds (1, 2, ...):
     workers say how far their copies have settled in terms of it. `save_shapes`
     holds the `(rows, cols)` each save was allocated for; a worker saves only a
-    tensor of exactly that shape and of the region's dtype.
+    tensor of exactly that shape and of the region's dtype. `runs` holds, per
+    mm_hash of `saves` and `loads`, the runs of consecutive blocks its block
+    ids make, `((first, count), ...)` in the ids' order: the copy descriptors,
+    without a pass over the ids (a worker checks them against the ids' ends
+    and computes them itself where a key has none).
     """
 
     saves: dict[str, list[int]] = field(default_factory=dict)
     loads: dict[str, tuple[int, list[int], tuple[int, int]]] = field(default_factory=dict)
     step: int = 0
     save_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    runs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass

@@ -136,6 +136,7 @@ class ECCPUScheduler:
         self._pending_saves: dict[str, list[int]] = {}
         self._pending_shapes: dict[str, tuple[int, int]] = {}
         self._pending_loads: dict[str, tuple[int, list[int], tuple[int, int]]] = {}
+        self._pending_runs: dict[str, tuple[tuple[int, int], ...]] = {}
         self._promised: set[str] = set()
         self._stale: set[str] = set()
         self._step = 0
@@ -336,6 +337,7 @@ class ECCPUScheduler:
         self._next_tid += 1
         shape = entry.shape
         self._pending_loads[key] = (tid, self.allocator.block_ids(entry), shape)
+        self._pending_runs[key] = entry.runs
         counters = self.counters
         counters.loads_dispatched += 1
         counters.load_rows += shape[0]
@@ -393,6 +395,7 @@ class ECCPUScheduler:
             return
         self._pending_saves[key] = self.allocator.block_ids(entry)
         self._pending_shapes[key] = (rows, width)
+        self._pending_runs[key] = entry.runs
         counters = self.counters
         counters.saves_dispatched += 1
         counters.save_rows += rows
@@ -437,11 +440,13 @@ class ECCPUScheduler:
             loads=self._pending_loads,
             step=self._step,
             save_shapes=self._pending_shapes,
+            runs=self._pending_runs,
         )
         self.settlement.start_step(meta, self._worker_step)
         self._pending_saves = {}
         self._pending_shapes = {}
         self._pending_loads = {}
+        self._pending_runs = {}
         self.settlement.on_worker_step(self._worker_step)
         return meta
 
@@ -563,6 +568,7 @@ class ECCPUScheduler:
         self._pending_saves = {}
         self._pending_shapes = {}
         self._pending_loads = {}
+        self._pending_runs = {}
         self._promised.clear()
         self._stale.clear()
         self.settlement.clear()

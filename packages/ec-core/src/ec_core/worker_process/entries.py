@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ec_core.worker_process.transfer import block_runs
+from ec_core.worker_process.transfer import checked_runs
 
 
 class ECCPULoadError(RuntimeError):
@@ -32,7 +32,8 @@ class PendingSave:
     nbytes: int
     """The bytes of `source` (computed once: it is read on every copy path)."""
     runs: list[tuple[int, int]] | None = None
-    """`block_runs(block_ids)`, computed once (the save path checks the bounds on them)."""
+    """The runs of `block_ids` (`checked_runs`), found once (the save path checks the
+    bounds on them)."""
 
 
 @dataclass(slots=True)
@@ -45,7 +46,8 @@ class PlannedLoad:
     shape: tuple[int, int]
     nbytes: int
     runs: list[tuple[int, int]]
-    """`block_runs(block_ids)`, computed once (plan_load checks the bounds on them)."""
+    """The runs of `block_ids` (`checked_runs`), found once (plan_load checks the bounds
+    on them)."""
 
 
 def plan_load(
@@ -58,18 +60,20 @@ def plan_load(
     block_size: int,
     num_blocks: int,
     backend: str,
+    runs: tuple[tuple[int, int], ...] | None = None,
 ) -> PlannedLoad:
     """The load, or ECCPULoadError if its blocks lie outside the region or are too few
-    (nothing may be copied then: the copy would leave the mapping)."""
+    (nothing may be copied then: the copy would leave the mapping). `runs` are the
+    runs the metadata sent for it, if any (see `checked_runs`)."""
     rows, cols = shape
     nbytes = rows * cols * dtype.itemsize
-    runs = block_runs(block_ids)  # one pass over the ids; the bounds are the runs' ends
-    if len(runs) == 1:
-        first, count = runs[0]
+    runs_ = checked_runs(block_ids, runs)  # the bounds are the runs' ends
+    if len(runs_) == 1:
+        first, count = runs_[0]
         outside = first < 0 or first + count > num_blocks
     else:
         outside = False
-        for first, count in runs:
+        for first, count in runs_:
             outside = outside or first < 0 or first + count > num_blocks
     if nbytes > len(block_ids) * block_size or outside:
         raise ECCPULoadError(
@@ -78,7 +82,7 @@ def plan_load(
             f"blocks or too few of them; the scheduler and this worker ({backend}) "
             "disagree about the region"
         )
-    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes, runs)
+    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes, runs_)
 
 
 def save_problem(

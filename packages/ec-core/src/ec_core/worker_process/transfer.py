@@ -53,6 +53,36 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def checked_runs(
+    block_ids: Sequence[int], runs: Sequence[tuple[int, int]] | None
+) -> list[tuple[int, int]]:
+    """The runs of `block_ids`: `runs` (what the metadata sent) when they fit the
+    ids, else `block_runs(block_ids)`.
+
+    The runs fit when their lengths add up to the ids' count and each run's
+    first and last id sit where the run says: O(runs), where a pass over the
+    ids costs one step per id. (The scheduler builds an entry's ids from its
+    runs, so runs that end right describe the ids in between.)
+    """
+    if runs is None:
+        return block_runs(block_ids)
+    n = len(block_ids)
+    at = 0
+    for first, count in runs:
+        end = at + count
+        if (
+            count <= 0
+            or end > n
+            or block_ids[at] != first
+            or block_ids[end - 1] != end - at + first - 1
+        ):
+            return block_runs(block_ids)
+        at = end
+    if at != n:
+        return block_runs(block_ids)
+    return list(runs)
+
+
 def entry_spans(
     block_ids: Sequence[int], block_size: int, nbytes: int
 ) -> Iterator[tuple[int, int, int]]:

@@ -37,7 +37,7 @@ from ec_core.worker_process.transfer import (
     CompletedTransfer,
     DescriptorBatch,
     TransferDirection,
-    block_runs,
+    checked_runs,
     entry_spans,
 )
 
@@ -184,6 +184,7 @@ class ECCPUWorker(WorkerHooks):
         block_size = self.block_size
         num_blocks = self.region.num_blocks
         backend = self._backend_name
+        sent_runs = metadata.runs.get
         loads = [
             plan_load(
                 key,
@@ -194,6 +195,7 @@ class ECCPUWorker(WorkerHooks):
                 block_size=block_size,
                 num_blocks=num_blocks,
                 backend=backend,
+                runs=sent_runs(key),
             )
             for key, (tid, block_ids, shape) in items
         ]
@@ -302,7 +304,7 @@ class ECCPUWorker(WorkerHooks):
                     mm_hash, self._step, problem or "the scheduler sent no shape for it"
                 )
                 return
-        runs = block_runs(block_ids)
+        runs = checked_runs(block_ids, metadata.runs.get(mm_hash))
         if len(runs) == 1:
             lowest, count = runs[0]
             end = lowest + count
