@@ -188,6 +188,8 @@ class SoakResult:
     settled_without_report: int = 0
     """Copies the scheduler settled because their rank had moved past them."""
     evictions: int = 0
+    split_copies: int = 0
+    """Saves and loads of entries lying in more than one run of blocks (several descriptors)."""
     stale_dropped: int = 0
     entries_verified_at_rest: int = 0
     corrupted_at_rest: int = 0
@@ -257,6 +259,7 @@ def run_soak(
     alive = list(pipes)
 
     def run_step(meta: ECCPUConnectorMetadata, *, flaky: bool) -> None:
+        result.split_copies += sum(len(runs) > 1 for runs in meta.runs.values())
         for pipe in alive:
             pipe.send(meta)
         arrived: list[ECCPUWorkerReport] = list(late)
