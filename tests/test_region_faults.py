@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ec_core.region.mapping import ECSharedRegion
+from ectools.tmpfs import mounted_tmpfs
 
 MIB = 1 << 20
 
@@ -21,20 +22,8 @@ MIB = 1 << 20
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs (needs the privilege to mount; skipped without it)."""
-    mount_point = tmp_path / "shm"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", 4) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_region_larger_than_the_directory_fails_before_any_file(small_tmpfs: Path) -> None:

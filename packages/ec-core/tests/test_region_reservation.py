@@ -34,6 +34,7 @@ from ec_core.region.reservation import (
     read_record,
     unpack_record,
 )
+from ectools.tmpfs import mounted_tmpfs
 
 PAGE = mmap.PAGESIZE
 BLOCK = PAGE  # so every offset below is page aligned, whatever the page size
@@ -405,21 +406,9 @@ MIB = 1 << 20
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """An 8 MiB tmpfs (needs the privilege to mount; skipped without it)."""
-    mount_point = tmp_path / "shm8"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    """A 8 MiB tmpfs (needs the privilege to mount; skipped without it)."""
+    with mounted_tmpfs(tmp_path / "shm8", 8) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_tmpfs_filled_during_the_reservation_never_causes_a_sigbus(small_tmpfs: Path) -> None:
