@@ -1,20 +1,36 @@
-"""The wire format, its authentication, the leases and the span pairing (no NIXL, no sockets)."""
+"""The wire format, its authentication, the leases, the producer's answers to claims and
+the span pairing (no NIXL, no sockets)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
 import pytest
 
+from ec_core.peer_settings import PeerAddress
+from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_scheduler.remote import LocalEntries
 from ec_transfer_nixl.agent import paired_spans
+from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.leases import Leases
+from ec_transfer_nixl.server import PeerServer
 from ec_transfer_nixl.wire import (
     FRESH_S,
+    LAPSED,
     MAGIC,
+    OK,
     Lookup,
     Release,
     Reply,
     WireError,
     fingerprint,
     handle_signature,
+    held_by,
     open_frame,
     seal,
 )
@@ -71,9 +87,6 @@ def test_another_secret_or_a_stale_message_is_refused() -> None:
 
 
 def test_a_signed_but_malformed_payload_is_refused() -> None:
-    import hashlib
-    import hmac
-
     payload = b"\x93\xa3bad"
     mac = hmac.new(SECRET, MAGIC + payload, hashlib.sha256).digest()
     with pytest.raises(WireError, match="malformed"):
@@ -173,3 +186,155 @@ def test_spans_are_paired_into_equal_pieces_whatever_the_runs() -> None:
     assert list(paired_spans([(0, 8)], [(100, 8)])) == [((0, 8), (100, 8))]
     with pytest.raises(ValueError, match="different numbers of bytes"):
         list(paired_spans([(0, 8)], [(0, 7)]))
+
+
+def _before(message: type[msgspec.Struct], *added: str) -> Any:
+    """`message` as wire version 2 laid it out before its trailing fields `added`."""
+    fields = msgspec.structs.fields(message)
+    assert [f.name for f in fields[len(fields) - len(added) :]] == list(added), "trailing only"
+    kept = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in fields[: len(fields) - len(added)]
+    ]
+    tag = message.__struct_config__.tag
+    return msgspec.defstruct(message.__name__, kept, array_like=True, tag=tag)
+
+
+_Lookup2 = _before(Lookup, "claims")
+_Release2 = _before(Release, "more")
+_Reply2 = _before(Reply, "leases")
+
+
+def _seal2(message: msgspec.Struct) -> bytes:
+    body = MAGIC + msgspec.msgpack.encode(message)
+    return body + hmac.digest(SECRET, body, "sha256")
+
+
+def test_claims_of_several_leases_keep_wire_version_2_in_both_directions() -> None:
+    """The fields a batched claim added are trailing ones with defaults: the magic and
+    the fingerprint stay those of version 2; an older peer's messages read as the
+    defaults, and an older peer reads a batched claim as a claim of its first lease,
+    a batched Release as the release of its first lease."""
+    assert MAGIC == b"ECCPUTIER/2"
+    old = _Lookup2(7, 1000.0, "fp", [("a", 8, 128)], "agent", claim=3)
+    assert open_frame(_seal2(old), SECRET, now=1000.0) == Lookup(
+        7, 1000.0, "fp", [("a", 8, 128)], "agent", claim=3, claims=[]
+    )
+    old_reply = _Reply2(7, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)]), ("b", LAPSED, [])])
+    reply = open_frame(_seal2(old_reply), SECRET, now=1000.0)
+    assert isinstance(reply, Reply) and reply.leases == []
+    assert held_by(reply) == [3, 0], "an older producer's OK items are held by its `lease`"
+    old_release = _Release2(1, 1000.0, 3, ["a"], True)
+    assert open_frame(_seal2(old_release), SECRET, now=1000.0) == Release(
+        1, 1000.0, 3, ["a"], True, more=[]
+    )
+
+    batched = Lookup(8, 1000.0, "fp", [("a", 8, 128), ("b", 8, 128)], "p", claim=3, claims=[3, 4])
+    frame = seal(batched, SECRET)
+    decoded = msgspec.msgpack.decode(frame[len(MAGIC) : -32], type=_Lookup2)
+    assert (decoded.claim, decoded.items) == (3, batched.items)
+    release = Release(2, 1000.0, 3, ["a"], True, more=[(4, ["b"])])
+    decoded_release = msgspec.msgpack.decode(
+        seal(release, SECRET)[len(MAGIC) : -32], type=_Release2
+    )
+    assert (decoded_release.lease, decoded_release.keys) == (3, ["a"])
+    answer = Reply(8, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)])], leases=[3])
+    assert msgspec.msgpack.decode(seal(answer, SECRET)[len(MAGIC) : -32], type=_Reply2).lease == 3
+
+
+def test_several_handle_leases_are_claimed_and_given_back_together() -> None:
+    released: list[str] = []
+    clock = [0.0]
+    leases = Leases(released.extend, clock=lambda: clock[0])
+    first = leases.grant({"a": 8, "b": 8}, 5, claimable={"a": [(100, 8)], "b": [(200, 8)]})
+    second = leases.grant({"c": 8}, 5, claimable={"c": [(300, 8)]})
+    gone = leases.grant({"d": 8}, 1, claimable={"d": [(400, 8)]})
+    clock[0] = 2.0
+    assert leases.expire() == 1 and released == ["d"], "one lapsed among several"
+    claimed = leases.claim_many({first: ["a"], second: ["c"], gone: ["d"], 999: ["e"]}, 30)
+    assert claimed == {first: {"a": [(100, 8)]}, second: {"c": [(300, 8)]}}
+    assert released == ["d", "b"], "the keys not claimed go at once"
+    assert leases.active == 2
+    assert leases.claim_many({first: ["a"], second: ["c"]}, 30) == {}, "claimable once"
+    back = leases.give_back_many([(first, ["a", "zzz"]), (999, ["x"]), (second, ["c"])])
+    assert back == [[("a", 8)], [], [("c", 8)]]
+    assert released == ["d", "b", "a", "c"] and leases.active == 0 and len(leases) == 0
+
+
+BLOCK, ITEMSIZE, COLS = 64, 4, 16  # one row = one block
+
+
+def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
+    """A producer's server (not started) over an allocator holding `keys` ready, one row each."""
+    allocator = BlockAllocator(16)
+    for key in keys:
+        allocator.alloc(key, 1, (1, COLS))
+        allocator.mark_ready(key)
+    local = LocalEntries(
+        allocator, threading.RLock(), allocator.unpin, lambda key: False, lambda r, c: r
+    )
+    server = PeerServer(
+        context=None,  # type: ignore[arg-type]
+        listen=PeerAddress("127.0.0.1", 1),
+        secret=SECRET,
+        fingerprint="fp",
+        local=local,
+        make_agent=None,  # type: ignore[arg-type]
+        spans=lambda runs, nbytes: [(first * BLOCK, n * BLOCK) for first, n in runs],
+        itemsize=ITEMSIZE,
+        lease_s=30.0,
+        handle_lease_s=10.0,
+        counters=PeerCounters(),
+    )
+    server.agent = SimpleNamespace(name="producer", metadata=b"md")  # type: ignore[assignment]
+    return server, allocator
+
+
+def _claim(items: list[str], claims: list[int], claim: int | None = None) -> Lookup:
+    return Lookup(
+        nonce=1,
+        sent_at=1000.0,
+        fingerprint="fp",
+        items=[(key, 1, COLS) for key in items],
+        known_agent="producer",
+        claim=claims[0] if claim is None else claim,
+        claims=claims,
+    )
+
+
+def test_a_producer_answers_a_claim_of_several_leases_each_under_its_own() -> None:
+    """One claim names three handles' leases, one of them lapsed (claimed before): the
+    others are confirmed at their spans, each under its own lease; a second claim of
+    them finds them lapsed; one Release gives all of them back."""
+    server, allocator = _producer("a", "b", "c")
+    grants = [server.grant_handle({key: (1, COLS)}) for key in ("a", "b", "c")]
+    (la, spans_a), (lb, _), (lc, spans_c) = grants
+    assert allocator.num_held_entries == 3, "pinned from the handle's making"
+    (early,) = server._answer_all([_claim(["b"], [lb])])
+    assert early.results[0][1] == OK and early.leases == [lb]
+    (reply,) = server._answer_all([_claim(["a", "b", "c"], [la, lb, lc])])
+    assert reply.status == OK and reply.lease == la
+    assert reply.results == [("a", OK, spans_a["a"]), ("b", LAPSED, []), ("c", OK, spans_c["c"])]
+    assert reply.leases == [la, 0, lc] and held_by(reply) == [la, 0, lc]
+    (again,) = server._answer_all([_claim(["a", "c"], [la, lc])])
+    assert [status for _, status, _ in again.results] == [LAPSED, LAPSED] and again.lease == 0
+    release = Release(2, 1000.0, la, ["a"], read=True, more=[(lb, ["b"]), (lc, ["c"])])
+    server._give_back([release])
+    assert not allocator.has_held_entries()
+    assert server.counters.bytes_served == 3 * COLS * ITEMSIZE
+    assert server.counters.lookups_served == 3
+
+
+def test_a_producer_still_answers_a_claim_of_one_lease_without_claims() -> None:
+    """A consumer that names no per-item leases claims them all under `claim`; claims
+    that do not match the items claim nothing (and pin nothing)."""
+    server, allocator = _producer("a", "b")
+    lease, spans = server.grant_handle({"a": (1, COLS), "b": (1, COLS)})
+    (bad,) = server._answer_all([_claim(["a", "b"], [lease], claim=lease)])
+    assert [status for _, status, _ in bad.results] == [LAPSED, LAPSED] and bad.lease == 0
+    assert allocator.num_held_entries == 2, "a malformed claim claims nothing"
+    (reply,) = server._answer_all([_claim(["a", "b"], [], claim=lease)])
+    assert reply.lease == lease and reply.leases == [lease, lease]
+    assert reply.results == [("a", OK, spans["a"]), ("b", OK, spans["b"])]
+    server._give_back([Release(2, 1000.0, lease, ["a", "b"])])
+    assert not allocator.has_held_entries() and server.counters.bytes_served == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 Spans = list[tuple[int, int]]
 
@@ -70,41 +70,64 @@ class Leases:
         """Claim a handle's lease for `keys`: the spans of those it still pins (now
         pinned for `lease_s` more). The lease is claimable no more; its keys not
         claimed are released. Empty when it expired, was claimed, or never existed."""
+        return self.claim_many({lease: keys}, lease_s).get(lease, {})
+
+    def claim_many(
+        self, claims: Mapping[int, Iterable[str]], lease_s: float
+    ) -> dict[int, dict[str, Spans]]:
+        """`claim` for each lease -> keys, under one acquisition of this table's lock
+        (and one release of what they do not claim); the leases claimed, each with
+        the spans of its keys it still pins."""
+        claimed: dict[int, dict[str, Spans]] = {}
         dropped: list[str] = []
         with self._lock:
-            spans = self._claimable.pop(lease, None)
-            record = self._held.get(lease)
-            if spans is None or record is None:
-                return {}
-            _, held = record
-            wanted = set(keys)
-            found = {key: spans[key] for key in held if key in wanted and key in spans}
-            dropped = [key for key in held if key not in found]
-            for key in dropped:
-                del held[key]
-            if held:
-                self._held[lease] = (self._clock() + lease_s, held)
-                self.active += 1
-            else:
-                del self._held[lease]
+            until = self._clock() + lease_s
+            for lease, keys in claims.items():
+                spans = self._claimable.pop(lease, None)
+                record = self._held.get(lease)
+                if spans is None or record is None:
+                    continue
+                _, held = record
+                wanted = set(keys)
+                found = {key: spans[key] for key in held if key in wanted and key in spans}
+                for key in [key for key in held if key not in found]:
+                    del held[key]
+                    dropped.append(key)
+                if held:
+                    self._held[lease] = (until, held)
+                    self.active += 1
+                    claimed[lease] = found
+                else:
+                    del self._held[lease]
         if dropped:
             self._release(dropped)
-        return found
+        return claimed
 
     def give_back(self, lease: int, keys: Iterable[str]) -> list[tuple[str, int]]:
         """Release the named keys of a lease (unknown ones are ignored); `(key, bytes)`
         of those released."""
+        return self.give_back_many([(lease, keys)])[0]
+
+    def give_back_many(
+        self, returned: Iterable[tuple[int, Iterable[str]]]
+    ) -> list[list[tuple[str, int]]]:
+        """`give_back` for each `(lease, keys)`, under one acquisition of this table's
+        lock (and one release of all their pins); per pair, `(key, bytes)` released."""
+        out: list[list[tuple[str, int]]] = []
         with self._lock:
-            record = self._held.get(lease)
-            if record is None:
-                return []
-            _, held = record
-            released = [(key, held.pop(key)) for key in dict.fromkeys(keys) if key in held]
-            if not held:
-                self._drop(lease)
+            for lease, keys in returned:
+                record = self._held.get(lease)
+                if record is None:
+                    out.append([])
+                    continue
+                _, held = record
+                out.append([(key, held.pop(key)) for key in dict.fromkeys(keys) if key in held])
+                if not held:
+                    self._drop(lease)
+        released = [key for pairs in out for key, _ in pairs]
         if released:
-            self._release([key for key, _ in released])
-        return released
+            self._release(released)
+        return out
 
     def expire(self) -> int:
         """Release every lease past its expiry; how many pins went."""

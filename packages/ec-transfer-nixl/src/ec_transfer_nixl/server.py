@@ -195,10 +195,8 @@ class PeerServer:
                 lookups.append((routing, message))
             elif isinstance(message, Release):
                 releases.append(message)
-        for release in releases:
-            released = self.leases.give_back(release.lease, release.keys)
-            if release.read:  # the READ is over: those bytes were served
-                self.counters.bytes_served += sum(nbytes for _, nbytes in released)
+        if releases:
+            self._give_back(releases)
         if not lookups:
             return
         replies = self._answer_all([lookup for _, lookup in lookups])
@@ -210,6 +208,23 @@ class PeerServer:
         self.batch_sizes.append(len(lookups))
         self.busy_seconds += time.thread_time() - began_cpu
         self.lookups_answered += len(lookups)
+
+    def _give_back(self, releases: list[Release]) -> None:
+        """Every lease the messages of one batch release, with one release of their pins."""
+        returned = [
+            (lease, keys)
+            for release in releases
+            for lease, keys in [(release.lease, release.keys), *release.more]
+        ]
+        released = self.leases.give_back_many(returned)
+        at = 0
+        for release in releases:
+            count = 1 + len(release.more)
+            if release.read:  # the READ is over: those bytes were served
+                self.counters.bytes_served += sum(
+                    nbytes for pairs in released[at : at + count] for _, nbytes in pairs
+                )
+            at += count
 
     def _answer_all(self, lookups: list[Lookup]) -> list[Reply]:
         """The replies to `lookups`, in order: the claims first, then every ordinary
@@ -263,12 +278,34 @@ class PeerServer:
         return replies
 
     def _claim(self, lookup: Lookup, reply: Reply) -> None:
-        """A consumer that READs with a handle claims its lease: the same spans per item
-        it still pins, LAPSED for the others."""
+        """A consumer that READs with handles claims their leases (each item under its
+        own, `claims`, or all under `claim`): per item, the same spans if its lease
+        still pins it, else LAPSED; `reply.leases` says which lease holds each."""
         keys = [key for key, _, _ in lookup.items]
-        found = self.leases.claim(lookup.claim, keys, self._lease_s)
-        reply.lease = lookup.claim if found else 0
-        for key in dict.fromkeys(keys):
-            spans = found.get(key)
-            reply.results.append((key, OK, spans) if spans is not None else (key, LAPSED, []))
-        self.counters.lookups_served += len(found)
+        if not lookup.claims:
+            under = [lookup.claim] * len(keys)
+        elif len(lookup.claims) == len(keys):
+            under = lookup.claims
+        else:  # malformed: nothing is claimed
+            under = [0] * len(keys)
+        asked: dict[str, int] = {}
+        for key, lease in zip(keys, under, strict=True):
+            asked.setdefault(key, lease)  # a key named twice: answered once, under its first
+        by_lease: dict[int, list[str]] = {}
+        for key, lease in asked.items():
+            if lease:
+                by_lease.setdefault(lease, []).append(key)
+        found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}
+        reply.lease = lookup.claim if lookup.claim in found else 0
+        results, leases = reply.results, reply.leases
+        served = 0
+        for key, lease in asked.items():
+            spans = found[lease].get(key) if lease in found else None
+            if spans is None:
+                results.append((key, LAPSED, []))
+                leases.append(0)
+            else:
+                results.append((key, OK, spans))
+                leases.append(lease)
+                served += 1
+        self.counters.lookups_served += served

@@ -16,7 +16,18 @@ time it is taken back costs a wait for whatever other thread holds it.
 A request-level handle (`handle_signature`) carries a pre-granted lease: the
 spans of the producer's ready entries, pinned when the handle was made, and
 an HMAC over all of it, so a consumer starts its READ at once and the
-producer confirms the lease (a *claim*) while the READ runs.
+producer confirms the lease (a *claim*) while the READ runs. One claim can
+name the leases of several handles (`Lookup.claims`, one per item), and its
+Reply says per item which lease holds it (`Reply.leases`).
+
+Wire version 2 grew by trailing fields with defaults only (`Lookup.claims`,
+`Reply.leases`, `Release.more`): a peer without them ignores them, and one
+with them reads a message without them as the defaults, so both still speak
+version 2. A consumer sends each claim with `claim` set to its first lease, so
+a producer that knows no `claims` answers it as a claim of that lease alone
+(the items of the others come back LAPSED, and are looked up as usual); it
+never grants such a producer more than one lease per message, so it never
+sends it a `Release.more` it would not act on.
 """
 
 from __future__ import annotations
@@ -50,7 +61,9 @@ class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
 
     With `claim` (a handle's lease id), no new lease: the producer confirms, per
     item, that the handle's lease still pins it (OK, the same spans), and keeps
-    it pinned for `lease_s` more; the lease can be claimed once.
+    it pinned for `lease_s` more; a lease can be claimed once. With `claims`
+    too, each item is claimed under its own lease (several handles' leases in
+    one message); `claim` is then the first of them.
     """
 
     nonce: int
@@ -62,6 +75,9 @@ class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
     """The producer's NIXL agent this consumer knows already: its metadata is then
     not sent again."""
     claim: int = 0
+    claims: list[int] = []
+    """Per item (in the order of `items`), the handle lease it is claimed under;
+    empty: all under `claim`."""
 
 
 class Release(msgspec.Struct, array_like=True, tag="release"):
@@ -73,6 +89,10 @@ class Release(msgspec.Struct, array_like=True, tag="release"):
     lease: int
     keys: list[str]
     read: bool = False
+    more: list[tuple[int, list[str]]] = []
+    """Further `(lease, keys)` released the same way: one READ of several handles'
+    leases ends in one Release (sent only to a producer that granted them in one
+    claim's Reply, so one that reads `more`)."""
 
 
 class Reply(msgspec.Struct, array_like=True, tag="reply"):
@@ -93,6 +113,9 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
     lease_s: float
     results: list[tuple[str, str, list[tuple[int, int]]]]
     """`(key, status, [(address, nbytes), ...])` per item asked."""
+    leases: list[int] = []
+    """The answer to a claim: per result, the lease that holds it for this consumer
+    (0: none). Empty: every OK item is held by `lease`."""
 
 
 Message = Lookup | Release | Reply
@@ -104,6 +127,13 @@ _HEAD = len(MAGIC)
 
 class WireError(ValueError):
     """A message that must be dropped: wrong version, mac, age or shape."""
+
+
+def held_by(reply: Reply) -> list[int]:
+    """Per result of `reply`, the lease that holds the item for the consumer (0: none)."""
+    if len(reply.leases) == len(reply.results):
+        return reply.leases
+    return [reply.lease if status == OK else 0 for _, status, _ in reply.results]
 
 
 def seal(message: Message, secret: bytes) -> bytes:
