@@ -5,20 +5,26 @@ what it sends, its NIXL agent is a fake whose READs finish only when a rule says
 so (or never), and can refuse to cancel. Replies of every kind arrive in any
 order, late, or never; time jumps. Several requests' items are asked in one
 Lookup per peer, and the items one Reply leased are read with one READ. Some
-requests carry a handle's pre-granted lease: their READ starts at once (the
-first peer's agent is known) or after the claim's answer (the second's is not),
-and the claim is confirmed, refused, or confirmed with other spans.
+requests carry a handle's pre-granted lease: the handle requests of one pass
+are claimed together, one claim per producer naming each item's lease, and
+their READ (one for all of them) starts at once (the first peer's agent is
+known) or after the claim's answer (the second's is not). Each lease of a
+claim is confirmed, lapsed, or confirmed with other spans, or the producer
+answers as one that reads no per-item leases (only the first lease's items).
 Checked after every rule:
 
-  * a reservation is never freed while a READ into it may still run (the
-    quarantine invariant);
-  * an entry becomes ready only from a READ whose lease the producer confirmed;
+  * a block is never freed, nor made ready, while a READ into it may still run
+    (the quarantine invariant), for lookups' READs and handles' alike;
+  * an entry becomes ready only from a READ whose lease the producer confirmed,
+    and only if its bytes were read from where the producer said that lease pins
+    them;
   * the allocator's own invariants hold;
   * a task whose deadline has passed is done.
 
 At the end, once every READ has finished and time has passed, nothing is
-reserved or quarantined, every item landed or failed with a cause, and every
-item a peer leased was released (after its READ, or unread).
+reserved or quarantined, every item landed or failed with a cause, every
+item a peer leased was released (after its READ, or unread), and nothing was
+released under a lease the peer did not grant this engine.
 """
 
 from __future__ import annotations
@@ -79,8 +85,8 @@ _now = [1000.0]
 
 @dataclass
 class FakeRead:
-    keys: list[str] = field(default_factory=list)
-    """The items whose blocks the READ writes (set by the model once it started)."""
+    blocks: set[int] = field(default_factory=set)
+    """The local blocks the READ writes."""
     state: str = "PROC"
     released: bool = False
 
@@ -91,6 +97,8 @@ class FakeAgent:
     metadata: bytes = b"md"
     reads: list[FakeRead] = field(default_factory=list)
     refuse_cancel: bool = False
+    source: dict[int, int] = field(default_factory=dict)
+    """Per local block, the remote address the latest READ into it read it from."""
 
     def know(self, agent: str, metadata: bytes) -> str:
         assert metadata, "an agent is known from its metadata"
@@ -102,6 +110,11 @@ class FakeAgent:
     def read(self, peer: str, pieces: Any, notify: bytes = b"") -> FakeRead:
         assert notify == b"", "a notification would make the READ wait for the producer"
         handle = FakeRead()
+        for (address, nbytes), (remote, _) in pieces:
+            blocks = range(address // BLOCK, -(-(address + nbytes) // BLOCK))
+            handle.blocks.update(blocks)
+            for block in blocks:
+                self.source[block] = remote + block * BLOCK - address
         self.reads.append(handle)
         return handle
 
@@ -158,15 +171,6 @@ class FetchMachine(RuleBasedStateMachine):
         )
         self.agent = FakeAgent()
         self.fetcher.agent = self.agent  # type: ignore[assignment]
-        starting = self.fetcher._start_read
-
-        def start_read(*args: Any) -> list[str]:
-            not_read = starting(*args)
-            for group in self.fetcher._reads + self.fetcher._quarantine:
-                group.handle.keys = [item.wanted.key for item in group.items]
-            return not_read
-
-        self.fetcher._start_read = start_read  # type: ignore[method-assign]
         self.sockets = {peer: FakeSocket() for peer in PEERS}
         for peer, sock in self.sockets.items():
             self.fetcher._links[peer] = _Link(sock)  # type: ignore[arg-type]
@@ -175,6 +179,9 @@ class FetchMachine(RuleBasedStateMachine):
         self.leased: dict[tuple[PeerAddress, int], set[str]] = {}
         self.lease_ids = iter(range(1, 10_000))
         self.handle_spans: dict[int, dict[str, list[tuple[int, int]]]] = {}
+        self.vouched: set[tuple[str, int]] = set()
+        """`(key, address)`: a producer said a lease it granted this engine pins the
+        key's bytes from that address on."""
         self.count = 0
 
     # ------------------------------------------------------------- rules
@@ -215,6 +222,22 @@ class FetchMachine(RuleBasedStateMachine):
 
     @rule(keys=st.sets(st.sampled_from(KEYS), min_size=1), peer=st.sampled_from(PEERS))
     def new_request_with_a_handle(self, keys: set[str], peer: PeerAddress) -> None:
+        self._begin_with_a_handle(keys, peer)
+
+    @rule(
+        requests=st.lists(
+            st.tuples(st.sets(st.sampled_from(KEYS), min_size=1, max_size=2), st.booleans()),
+            min_size=2,
+            max_size=3,
+        )
+    )
+    def a_step_of_requests_with_handles(self, requests: list[tuple[set[str], bool]]) -> None:
+        """Several handle requests handed over in one step (most at the first peer):
+        claimed together at the next pass."""
+        for keys, elsewhere in requests:
+            self._begin_with_a_handle(keys, PEERS[1] if elsewhere else PEERS[0])
+
+    def _begin_with_a_handle(self, keys: set[str], peer: PeerAddress) -> None:
         keys = self._idle(keys)
         if not keys:
             return
@@ -244,27 +267,7 @@ class FetchMachine(RuleBasedStateMachine):
             reply = self._reply(lookup, status="incompatible", results=[])
             event("incompatible")
         elif lookup.claim:
-            answer = data.draw(st.sampled_from(["confirm", "confirm", "lapsed", "moved"]))
-            event(f"claim {answer}")
-            spans = self.handle_spans[lookup.claim]
-            if answer == "lapsed":
-                results = [(key, LAPSED, []) for key, _, _ in lookup.items]
-            else:
-                shift = 8 if answer == "moved" else 0
-                results = [
-                    (key, OK, [(a + shift, n) for a, n in spans[key]]) for key, _, _ in lookup.items
-                ]
-                self.leased[(peer, lookup.claim)] = {key for key, _, _ in lookup.items}
-            reply = Reply(
-                nonce=lookup.nonce,
-                sent_at=_now[0],
-                status=OK,
-                agent="producer",
-                agent_metadata=b"" if lookup.known_agent == "producer" else b"md",
-                lease=0 if answer == "lapsed" else lookup.claim,
-                lease_s=LEASE_S,
-                results=results,
-            )
+            reply = self._answer_claim(peer, lookup, data)
         else:
             results = []
             for key, rows, cols in lookup.items:
@@ -275,6 +278,8 @@ class FetchMachine(RuleBasedStateMachine):
             leased = {k for k, s, _ in results if s == OK}
             if leased:
                 self.leased[(peer, reply.lease)] = leased
+        if reply.status == OK:
+            self.vouched.update((key, spans[0][0]) for key, status, spans in reply.results if spans)
         self.fetcher._apply(self.fetcher._links[peer], reply)
 
     @precondition(_a_lookup_is_out)
@@ -302,19 +307,31 @@ class FetchMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_reservation_freed_under_a_running_read(self) -> None:
+        owner = {block: entry for entry in self.allocator for block in entry.block_ids}
         for read in self.agent.running():
-            for key in read.keys:
-                entry = self.allocator.get(key)
-                assert entry is not None and not entry.ready, f"blocks of {key} freed under a READ"
+            for block in read.blocks:
+                entry = owner.get(block)
+                assert entry is not None, f"block {block} freed under a READ"
+                assert not entry.ready, f"{entry.key} made ready while a READ writes it"
 
     @invariant()
     def only_confirmed_reads_land(self) -> None:
         for group in self.fetcher._reads + self.fetcher._awaiting:
-            if not group.confirmed:
+            if not group.answered:
                 for item in group.items:
                     assert item.outcome != "landed"
                     entry = self.allocator.get(item.wanted.key)
                     assert entry is not None and not entry.ready
+
+    @invariant()
+    def ready_entries_hold_vouched_bytes(self) -> None:
+        """A fetched entry is ready only if it was read from where its producer said a
+        lease granted to this engine pins it (a lapsed, refused or moved claim's bytes
+        never land)."""
+        for entry in self.allocator:
+            if entry.ready:
+                source = self.agent.source.get(entry.runs[0][0])
+                assert (entry.key, source) in self.vouched, f"{entry.key} landed unvouched bytes"
 
     @invariant()
     def allocator_consistent(self) -> None:
@@ -341,17 +358,24 @@ class FetchMachine(RuleBasedStateMachine):
                 assert item.outcome is not None
         assert not self.allocator.has_held_entries(), "a reservation was never freed"
         released = {
-            (peer, message.lease, key)
+            (peer, lease, key)
             for peer, sock in self.sockets.items()
             for message in sock.sent
             if isinstance(message, Release)
-            for key in message.keys
+            for lease, keys in [(message.lease, message.keys), *message.more]
+            for key in keys
         }
-        for (peer, lease), keys in self.leased.items():
-            for key in keys:
-                assert (peer, lease, key) in released, (
-                    f"{key} leased by {peer} (lease {lease}) was never released"
-                )
+        granted = {
+            (peer, lease, key) for (peer, lease), keys in self.leased.items() for key in keys
+        }
+        for peer, lease, key in granted:
+            assert (peer, lease, key) in released, (
+                f"{key} leased by {peer} (lease {lease}) was never released"
+            )
+        for peer, lease, key in released:
+            assert (peer, lease, key) in granted, (
+                f"{key} released under lease {lease} of {peer}, which never granted it here"
+            )
         counters = self.fetcher.counters
         decided = counters.remote_hits + sum(counters.fallbacks.values())
         assert decided == sum(len(t.items) for t in self.tasks)
@@ -360,6 +384,55 @@ class FetchMachine(RuleBasedStateMachine):
 
     def _lookups(self, peer: PeerAddress) -> list[Lookup]:
         return [m for m in self.sockets[peer].sent if isinstance(m, Lookup)]
+
+    def _answer_claim(self, peer: PeerAddress, lookup: Lookup, data: st.DataObject) -> Reply:
+        """A producer's answer to a claim: each lease named confirmed, lapsed, or
+        confirmed with other spans; or the answer of a producer that reads no
+        per-item leases (it claims `claim` for every item)."""
+        old_producer = data.draw(st.integers(0, 3)) == 0
+        answers = {
+            lease: data.draw(st.sampled_from(["confirm", "confirm", "lapsed", "moved"]))
+            for lease in dict.fromkeys(lookup.claims or [lookup.claim])
+        }
+        event("claim by an old producer" if old_producer else f"claim of {len(answers)} leases")
+        for answer in answers.values():
+            event(f"claimed lease {answer}")
+        return self.claim_answer(peer, lookup, answers, old_producer=old_producer)
+
+    def claim_answer(
+        self, peer: PeerAddress, lookup: Lookup, answers: dict[int, str], *, old_producer: bool
+    ) -> Reply:
+        """The answer to `lookup` (a claim) with, per lease, "confirm", "lapsed" or
+        "moved" (other spans; a lease not named: lapsed); with `old_producer`, as a
+        producer that reads only `claim` would answer."""
+        if old_producer or not lookup.claims:
+            under = [lookup.claim] * len(lookup.items)
+        else:
+            under = lookup.claims
+        results: list[Any] = []
+        leases: list[int] = []
+        for (key, _, _), lease in zip(lookup.items, under, strict=True):
+            spans = self.handle_spans[lease].get(key)
+            answer = answers.get(lease, "lapsed")
+            if answer == "lapsed" or spans is None:
+                results.append((key, LAPSED, []))
+                leases.append(0)
+                continue
+            shift = 8 if answer == "moved" else 0
+            results.append((key, OK, [(a + shift, n) for a, n in spans]))
+            leases.append(lease)
+            self.leased.setdefault((peer, lease), set()).add(key)
+        return Reply(
+            nonce=lookup.nonce,
+            sent_at=_now[0],
+            status=OK,
+            agent="producer",
+            agent_metadata=b"" if lookup.known_agent == "producer" else b"md",
+            lease=lookup.claim if lookup.claim in leases else 0,
+            lease_s=LEASE_S,
+            results=results,
+            leases=[] if old_producer else leases,
+        )
 
     def _reply(self, lookup: Lookup, *, status: str, results: list[Any]) -> Reply:
         return Reply(
@@ -404,10 +477,182 @@ def test_a_steps_requests_share_one_lookup_and_one_read_per_peer() -> None:
         machine.fetcher._links[peer], machine._reply(lookup, status=OK, results=results)
     )
     (read,) = machine.agent.reads
-    assert sorted(read.keys) == list(KEYS[:3])
+    assert len(read.blocks) == 3
     read.state = "DONE"
     machine.fetcher._tick(_now[0])
     assert all(task.done for task in tasks)
     assert machine.fetcher.counters.remote_hits == 3
     (release,) = [m for m in machine.sockets[peer].sent if isinstance(m, Release)]
     assert release.read and sorted(release.keys) == list(KEYS[:3])
+
+
+# ------------------------------------------------------ batched handle claims
+
+
+def _handle_task(machine: FetchMachine, key: str, lease: int) -> FetchTask:
+    """A request for `key` whose handle carries lease `lease` at the first peer (whose
+    agent this engine knows: its READ starts at once)."""
+    spans = {key: [(1000 * lease, COLS * ITEMSIZE)]}
+    machine.handle_spans[lease] = spans
+    return FetchTask(
+        request_id=f"r-{key}",
+        items={key: ItemFetch(Wanted(key, 1, COLS))},
+        candidates=(PEERS[0],),
+        lookup_deadline=_now[0] + LOOKUP_S,
+        deadline=_now[0] + FETCH_S,
+        handle=HandleLease(
+            peer=PEERS[0], lease=lease, agent="producer", spans=spans, shapes={key: (1, COLS)}
+        ),
+    )
+
+
+def _one_step_of_handles(machine: FetchMachine, leases: dict[str, int]) -> list[FetchTask]:
+    """Hand over one request per key (with its lease) in one step, and run one pass."""
+    tasks = [_handle_task(machine, key, lease) for key, lease in leases.items()]
+    for task in tasks:
+        machine.fetcher._begin(task)
+    assert machine._lookups(PEERS[0]) == [] and machine.agent.reads == [], "all at the pass"
+    machine.fetcher._tick(_now[0])
+    return tasks
+
+
+def _claim_reply(
+    machine: FetchMachine, lookup: Lookup, answers: dict[int, str], *, per_item: bool = True
+) -> Reply:
+    """The first peer's answer to `lookup`: per lease "confirm", "lapsed" or "moved";
+    without `per_item`, as a producer that reads only `claim` would answer."""
+    return machine.claim_answer(PEERS[0], lookup, answers, old_producer=not per_item)
+
+
+def _released(machine: FetchMachine) -> dict[int, list[str]]:
+    """Lease -> keys the consumer released, over every Release it sent the first peer."""
+    out: dict[int, list[str]] = {}
+    for message in machine.sockets[PEERS[0]].sent:
+        if isinstance(message, Release):
+            for lease, keys in [(message.lease, message.keys), *message.more]:
+                out.setdefault(lease, []).extend(keys)
+    return out
+
+
+def _finish_reads(machine: FetchMachine) -> None:
+    for read in machine.agent.running():
+        read.state = "DONE"
+    machine.fetcher._tick(_now[0])
+
+
+def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> None:
+    """Three handle requests of one step at one producer: one claim naming the three
+    leases (the first also as `claim`, for a producer that reads no `claims`), one
+    READ of all three started before it; confirmed, all land, and one Release gives
+    the three leases back."""
+    machine = FetchMachine()
+    tasks = _one_step_of_handles(machine, {"k0": 11, "k1": 12, "k2": 13})
+    (read,) = machine.agent.reads
+    assert len(read.blocks) == 3 and machine.fetcher.handle_reads == 3
+    assert machine.fetcher.handle_batches == 1
+    (claim,) = machine._lookups(PEERS[0])
+    assert [key for key, _, _ in claim.items] == ["k0", "k1", "k2"]
+    assert claim.claims == [11, 12, 13] and claim.claim == 11
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    confirm = _claim_reply(machine, claim, dict.fromkeys((11, 12, 13), "confirm"))
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], confirm)
+    assert not any(task.done for task in tasks), "not before the READ is over"
+    _finish_reads(machine)
+    assert all(task.done for task in tasks)
+    assert all(item.outcome == "landed" for t in tasks for item in t.items.values())
+    (release,) = [m for m in machine.sockets[PEERS[0]].sent if isinstance(m, Release)]
+    assert release.read and (release.lease, release.keys) == (11, ["k0"])
+    assert release.more == [(12, ["k1"]), (13, ["k2"])]
+    assert not machine.allocator.has_held_entries()
+
+
+def test_one_lapsed_lease_among_several_is_asked_again_once_the_read_is_over() -> None:
+    """The READ ends before the claim's answer; of three leases one lapsed: the other
+    two land, the lapsed one's blocks are freed (the READ is over) and its item is
+    looked up as usual, then fetched; only the granted leases are given back."""
+    machine = FetchMachine()
+    tasks = _one_step_of_handles(machine, {"k0": 21, "k1": 22, "k2": 23})
+    (claim,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    _finish_reads(machine)
+    assert not any(task.done for task in tasks), "no bytes count before the claim's answer"
+    answers = {21: "confirm", 22: "lapsed", 23: "confirm"}
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], _claim_reply(machine, claim, answers))
+    assert tasks[0].items["k0"].outcome == "landed" and tasks[2].items["k2"].outcome == "landed"
+    assert machine.allocator.get("k1") is None, "the lapsed item's blocks are freed"
+    machine.fetcher._tick(_now[0])
+    assert tasks[0].done and tasks[2].done and not tasks[1].done
+    assert _released(machine) == {21: ["k0"], 23: ["k2"]}, "never the lapsed lease"
+    (lookup,) = machine._lookups(PEERS[0])
+    assert lookup.claim == 0 and lookup.claims == [] and lookup.items == [("k1", 1, COLS)]
+    machine.sockets[PEERS[0]].sent.remove(lookup)
+    reply = machine._reply(lookup, status=OK, results=[("k1", OK, [(0, COLS * ITEMSIZE)])])
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
+    _finish_reads(machine)
+    assert tasks[1].done and tasks[1].items["k1"].outcome == "landed"
+    assert _released(machine)[reply.lease] == ["k1"]
+    assert not machine.allocator.has_held_entries()
+
+
+def test_a_refused_claim_lands_nothing_and_releases_only_what_it_was_granted() -> None:
+    """One lease lapsed, the other confirmed at other spans (the entry moved): no byte
+    of the READ lands; the moved one's lease was granted, so it goes back; both items
+    are looked up again."""
+    machine = FetchMachine()
+    tasks = _one_step_of_handles(machine, {"k0": 31, "k1": 32})
+    (claim,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    reply = _claim_reply(machine, claim, {31: "lapsed", 32: "moved"})
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
+    assert machine.allocator.get("k0") is not None, "blocks held while the READ may write"
+    _finish_reads(machine)
+    for task in tasks:
+        item = next(iter(task.items.values()))
+        assert item.outcome is None and item.reading is None
+        assert machine.allocator.get(item.wanted.key) is None
+    assert _released(machine) == {32: ["k1"]}
+    (lookup,) = machine._lookups(PEERS[0])
+    assert lookup.claim == 0 and sorted(key for key, _, _ in lookup.items) == ["k0", "k1"]
+
+
+def test_a_claim_answered_as_a_producer_without_per_item_leases_would() -> None:
+    """A wire-2 producer that reads no `claims` claims the first lease for every item:
+    only that lease's item is trusted; the others are looked up again, and their
+    leases (never claimed) are not released."""
+    machine = FetchMachine()
+    tasks = _one_step_of_handles(machine, {"k0": 41, "k1": 42})
+    (claim,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    reply = _claim_reply(machine, claim, {41: "confirm"}, per_item=False)
+    assert reply.leases == [] and [s for _, s, _ in reply.results] == [OK, LAPSED]
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
+    _finish_reads(machine)
+    assert tasks[0].done and tasks[0].items["k0"].outcome == "landed"
+    assert not tasks[1].done and machine.allocator.get("k1") is None
+    assert _released(machine) == {41: ["k0"]}
+
+
+def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
+    """The claim is never answered and NIXL will not cancel the READ: at the lookup
+    deadline the items fail (unreachable), the producer is not asked for a while,
+    and the blocks stay reserved until the READ ends; nothing is released (nothing
+    was granted), until a late answer comes: then what it granted goes back."""
+    machine = FetchMachine()
+    machine.agent.refuse_cancel = True
+    tasks = _one_step_of_handles(machine, {"k0": 51, "k1": 52})
+    (claim,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    _now[0] += LOOKUP_S + 0.1
+    machine.fetcher._tick(_now[0])
+    assert all(task.done for task in tasks)
+    assert {item.outcome for t in tasks for item in t.items.values()} == {"unreachable"}
+    assert machine.fetcher._links[PEERS[0]].down_until > _now[0]
+    assert machine.fetcher.quarantined == 1
+    assert all(not machine.allocator.get(k).ready for k in ("k0", "k1"))  # type: ignore[union-attr]
+    _finish_reads(machine)
+    assert machine.fetcher.quarantined == 0 and not machine.allocator.has_held_entries()
+    assert _released(machine) == {}
+    late = _claim_reply(machine, claim, dict.fromkeys((51, 52), "confirm"))
+    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], late)
+    assert _released(machine) == {51: ["k0"], 52: ["k1"]}
+    assert not machine.allocator.has_held_entries()

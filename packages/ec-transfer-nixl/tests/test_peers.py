@@ -9,7 +9,9 @@ producer that stops in the middle.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -214,6 +216,28 @@ def _fetcher(engine: Engine) -> Any:
     return engine.scheduler.remote.fetcher  # type: ignore[union-attr]
 
 
+@contextlib.contextmanager
+def _between_passes(fetcher: Any) -> Iterator[None]:
+    """Hold the fetcher thread between two of its passes: whatever is handed to it
+    meanwhile is taken on by one pass (its idle poll could otherwise end in the
+    middle of a step's hand-over, however short)."""
+    gate, arrived = threading.Lock(), threading.Event()
+    one_pass = fetcher._loop_once
+
+    def gated() -> None:
+        arrived.set()
+        with gate:
+            one_pass()
+
+    with gate:  # held before the thread can come to it: it stops there
+        fetcher._loop_once = gated
+        try:
+            assert arrived.wait(WAIT_S), "the fetcher thread never came round"
+            yield
+        finally:
+            fetcher._loop_once = one_pass
+
+
 def _handle_of(producer: Engine, item: Item) -> dict[str, Any]:
     _, params = producer.scheduler.request_finished(make_request(f"done-{item.identifier}", [item]))
     assert params is not None and "lease" in params["ec_cpu_tier"]
@@ -267,6 +291,48 @@ def test_a_handle_lease_is_read_at_once_by_a_consumer_that_knows_the_producer(
     # still pinned; stopping the producer releases every lease it holds.
     producer.scheduler.shutdown()
     assert not producer.scheduler.allocator.has_held_entries()
+
+
+def test_a_steps_handles_are_read_with_one_read_and_one_lapsed_lease_is_looked_up(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Four requests deferred in one step, each with its handle's lease at the same
+    producer: one claim and one READ for all of them. One of the leases was claimed
+    before (by another request): its bytes are dropped and its item looked up; every
+    item lands correct, and the producer ends with nothing pinned."""
+    producer, consumer, _ = _pair(make_engine, producer={"ec_peer_handle_lease_s": 10}, **PATIENT)
+    first = Item("img-warm", 4)
+    items = [Item(f"img-batch-{i}", 3 + i) for i in range(4)]
+    producer.save(first, *items)
+    consumer.wait_available(make_request("r0", [first]))  # learns the producer's agent
+    handles = [_handle_of(producer, item) for item in items]
+    claimed_before = make_request("claimed-before", [items[2]])
+    claimed_before.ec_transfer_params = handles[2]
+    consumer.wait_available(claimed_before)
+    with consumer.scheduler.lock:
+        consumer.scheduler.allocator.drop(items[2].identifier)
+    reads, batches = _fetcher(consumer).handle_reads, _fetcher(consumer).handle_batches
+    requests = []
+    for i, (item, params) in enumerate(zip(items, handles, strict=True)):
+        request = make_request(f"r-batch-{i}", [item])
+        request.ec_transfer_params = params
+        requests.append(request)
+    began = time.monotonic()
+    with _between_passes(_fetcher(consumer)):  # the step's four tasks reach one pass
+        waiting = [r for r in requests if not consumer.scheduler.ensure_cache_available(r, 0)]
+    assert len(waiting) == 4, "all four deferred in one step"
+    while waiting:
+        assert time.monotonic() - began < WAIT_S, "a deferred request was never released"
+        consumer.scheduler.build_connector_meta(scheduler_output(0))
+        time.sleep(0.002)
+        waiting = [r for r in waiting if not consumer.scheduler.ensure_cache_available(r, 0)]
+    assert _fetcher(consumer).handle_reads - reads == 4, "all read before the claim's answer"
+    assert _fetcher(consumer).handle_batches - batches == 1, "with one READ"
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step(requests).meta)
+    for item in items:
+        assert torch.equal(cache[item.identifier], payload(item.identifier, item.embeds))
+    assert _fallbacks(consumer) == {}
+    _wait_unpinned(producer)
 
 
 def test_a_wrong_secret_gets_nothing(
