@@ -19,14 +19,7 @@ core. The *consumer* measures, side by side in the same run:
   handle the producer's `request_finished` returned for its entry just before
   (made outside the clock, as an encoder's response would bring it): the
   consumer, which knows the producer's agent from the rows before, READs at
-  once and confirms the handle's lease (a claim) while the READ runs. The
-  producer's engine thread makes the handles between two of its steps; the
-  clock starts at a random point of the step that follows (seeded), as a
-  fetch row's does, instead of always at its start, where the producer's
-  threads are busiest (measured: 32 x 1 MB over TCP 31-45 ms at the start,
-  26 ms at a random point, as the fetch row). The wait before it still costs
-  a 1 MB handle row ~0.2 ms that the fetch rows, which start at once, do not
-  pay (a fetch after the same wait was that much slower);
+  once and confirms the handle's lease (a claim) while the READ runs;
 * lookup round trip: 1, 8 and 64 concurrent signed lookups of a ready item
   from as many DEALER sockets (consumers), each answered with a lease, then
   released: p50 and p99 at the client (the clock starts before the send and
@@ -44,7 +37,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -198,7 +190,6 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     agent = RegionAgent(f"bench-raw-consumer-{os.getpid()}", sink.data_ptr(), sink.numel())
     peer = agent.know(raw_name, raw_md)
     count = 0
-    phase = random.Random(0)
 
     def fetch(mb: int, n: int, *, handles: bool = False) -> float:
         """Seconds until `n` entries of `mb` MB, asked by `n` requests at once, are ready
@@ -214,9 +205,6 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
             for request, params in zip(requests, ours.recv(), strict=True):
                 assert params is not None and "lease" in params["ec_cpu_tier"]
                 request.ec_transfer_params = params
-            # A consumer gets a handle after the proxy's hop, at no fixed point of the
-            # producer's steps; the `fetch` rows start at a random point of one too.
-            time.sleep(phase.uniform(0, STEPS_S[0]))
         fast = consumer.remote.fetcher.handle_reads  # type: ignore[union-attr]
         began = time.perf_counter()
         waiting = list(requests)
