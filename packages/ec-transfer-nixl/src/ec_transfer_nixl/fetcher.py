@@ -38,7 +38,7 @@ import queue
 import socket as pysocket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ from ec_core._vllm import get_logger
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span, paired_spans
 from ec_transfer_nixl.counters import PeerCounters
+from ec_transfer_nixl.leases import keys_by_lease
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
     LAPSED,
@@ -580,7 +581,7 @@ class Fetcher:
         group = self._claims.pop(reply.nonce, None)
         held = dict(zip([key for key, _, _ in reply.results], held_by(reply), strict=True))
         if waiting is None:  # an answer that came too late: give its leases back
-            self._release(link, _by_lease(held, held))
+            self._release(link, keys_by_lease(held, held))
             return
         peer, wanted = waiting
         if reply.status == INCOMPATIBLE:
@@ -624,7 +625,7 @@ class Fetcher:
                 item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
         if to_read:
             not_needed.extend(self._start_read(peer, link, reply, to_read))
-        self._release(link, _by_lease(held, not_needed))
+        self._release(link, keys_by_lease(held, not_needed))
 
     def _ask_again(self, task: FetchTask, item: ItemFetch) -> None:
         for peer in task.candidates:
@@ -905,7 +906,7 @@ class Fetcher:
         """The group's READ will touch the peer's memory no more: give the pins back
         (at the end of this pass, once the tasks it ended are marked done)."""
         if group.granted:
-            self._releases.append((group.peer, _by_lease(group.granted, group.granted), read))
+            self._releases.append((group.peer, keys_by_lease(group.granted, group.granted), read))
 
     def _finish(self, item: ItemFetch, outcome: str) -> None:
         item.outcome = outcome
@@ -931,16 +932,6 @@ class Fetcher:
         for link in self._links.values():
             link.socket.close(0)
         self.agent.close()
-
-
-def _by_lease(held: dict[str, int], keys: Iterable[str]) -> dict[int, list[str]]:
-    """`keys` by the lease that holds each for this engine (those none holds left out)."""
-    out: dict[int, list[str]] = {}
-    for key in keys:
-        lease = held.get(key, 0)
-        if lease:
-            out.setdefault(lease, []).append(key)
-    return out
 
 
 def _leases_of(batch: list[tuple[FetchTask, ItemFetch]]) -> dict[str, int]:

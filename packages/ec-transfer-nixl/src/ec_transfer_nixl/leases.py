@@ -155,3 +155,14 @@ class Leases:
         del self._held[lease]
         if self._claimable.pop(lease, None) is None:
             self.active -= 1
+
+
+def keys_by_lease(held: Mapping[str, int], keys: Iterable[str]) -> dict[int, list[str]]:
+    """`keys` grouped by the lease `held` names for each, in order (a key held by no
+    lease, 0 or absent, is left out)."""
+    out: dict[int, list[str]] = {}
+    for key in keys:
+        lease = held.get(key, 0)
+        if lease:
+            out.setdefault(lease, []).append(key)
+    return out

@@ -22,7 +22,7 @@ from ec_core._vllm import get_logger
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.leases import Leases
+from ec_transfer_nixl.leases import Leases, keys_by_lease
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
     LAPSED,
@@ -291,10 +291,7 @@ class PeerServer:
         asked: dict[str, int] = {}
         for key, lease in zip(keys, under, strict=True):
             asked.setdefault(key, lease)  # a key named twice: answered once, under its first
-        by_lease: dict[int, list[str]] = {}
-        for key, lease in asked.items():
-            if lease:
-                by_lease.setdefault(lease, []).append(key)
+        by_lease = keys_by_lease(asked, asked)
         found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}
         reply.lease = lookup.claim if lookup.claim in found else 0
         results, leases = reply.results, reply.leases
