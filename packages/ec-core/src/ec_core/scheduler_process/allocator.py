@@ -13,8 +13,8 @@ evicts a cheap *window* of address-adjacent evictable entries — weighed by
 their rank in the policy's victim order — rather than the policy's first
 victims wherever they lie. While the policy says its order must be kept
 exactly (`EvictionPolicy.strict_order`: plain LRU, W-TinyLFU in recency
-mode), a window is taken only when it costs less by that weighing than the
-policy's own first victims; otherwise those victims go and the new entry
+mode), a window is taken only when it costs no more by that weighing than
+the policy's own first victims; otherwise those victims go and the new entry
 takes the freed space in as few runs as it can (one descriptor per run).
 """
 

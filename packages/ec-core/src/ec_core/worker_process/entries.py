@@ -60,20 +60,20 @@ def plan_load(
     block_size: int,
     num_blocks: int,
     backend: str,
-    runs: tuple[tuple[int, int], ...] | None = None,
+    sent_runs: tuple[tuple[int, int], ...] | None = None,
 ) -> PlannedLoad:
     """The load, or ECCPULoadError if its blocks lie outside the region or are too few
-    (nothing may be copied then: the copy would leave the mapping). `runs` are the
-    runs the metadata sent for it, if any (see `checked_runs`)."""
+    (nothing may be copied then: the copy would leave the mapping). `sent_runs` are
+    the runs the metadata sent for it, if any (see `checked_runs`)."""
     rows, cols = shape
     nbytes = rows * cols * dtype.itemsize
-    runs_ = checked_runs(block_ids, runs)  # the bounds are the runs' ends
-    if len(runs_) == 1:
-        first, count = runs_[0]
+    runs = checked_runs(block_ids, sent_runs)  # the bounds are the runs' ends
+    if len(runs) == 1:
+        first, count = runs[0]
         outside = first < 0 or first + count > num_blocks
     else:
         outside = False
-        for first, count in runs_:
+        for first, count in runs:
             outside = outside or first < 0 or first + count > num_blocks
     if nbytes > len(block_ids) * block_size or outside:
         raise ECCPULoadError(
@@ -82,7 +82,7 @@ def plan_load(
             f"blocks or too few of them; the scheduler and this worker ({backend}) "
             "disagree about the region"
         )
-    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes, runs_)
+    return PlannedLoad(key, tid, block_ids, (rows, cols), nbytes, runs)
 
 
 def save_problem(

@@ -184,7 +184,7 @@ class ECCPUWorker(WorkerHooks):
         block_size = self.block_size
         num_blocks = self.region.num_blocks
         backend = self._backend_name
-        sent_runs = metadata.runs.get
+        runs_of = metadata.runs.get
         loads = [
             plan_load(
                 key,
@@ -195,7 +195,7 @@ class ECCPUWorker(WorkerHooks):
                 block_size=block_size,
                 num_blocks=num_blocks,
                 backend=backend,
-                runs=sent_runs(key),
+                sent_runs=runs_of(key),
             )
             for key, (tid, block_ids, shape) in items
         ]
