@@ -656,3 +656,50 @@ def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
     machine.fetcher._apply(machine.fetcher._links[PEERS[0]], late)
     assert _released(machine) == {51: ["k0"], 52: ["k1"]}
     assert not machine.allocator.has_held_entries()
+
+
+def _task(request_id: str, key: str) -> FetchTask:
+    return FetchTask(
+        request_id=request_id,
+        items={key: ItemFetch(Wanted(key, 1, COLS))},
+        candidates=(PEERS[0],),
+        lookup_deadline=_now[0] + LOOKUP_S,
+        deadline=_now[0] + FETCH_S,
+    )
+
+
+def test_a_steps_tasks_are_taken_on_together_after_its_kick_however_busy_the_thread() -> None:
+    """Tasks submitted during a step wait for the step's kick, even while the thread
+    runs passes (READs polled every 50 µs); then a pass takes them all at once, and
+    a task staged with no kick is still taken on after IDLE_POLL_MS."""
+    from ec_transfer_nixl.fetcher import IDLE_POLL_MS
+
+    machine = FetchMachine()
+    fetcher = machine.fetcher
+    first, second = _task("r0", KEYS[0]), _task("r1", KEYS[1])
+    fetcher.submit(first)
+    assert fetcher._take_tasks() == []  # a pass in the middle of the step takes nothing
+    fetcher.submit(second)
+    fetcher.kick()
+    assert fetcher._take_tasks() == [first, second]
+    assert fetcher._take_tasks() == []
+    late = _task("r2", KEYS[2])
+    fetcher.submit(late)
+    _now[0] += IDLE_POLL_MS / 1000 / 2
+    assert fetcher._take_tasks() == []
+    _now[0] += IDLE_POLL_MS / 1000
+    assert fetcher._take_tasks() == [late]
+
+
+def test_tasks_never_taken_on_fail_when_the_fetcher_stops() -> None:
+    """A task staged or handed over when the thread ends is done, every item failed."""
+    machine = FetchMachine()
+    fetcher = machine.fetcher
+    handed, staged = _task("r0", KEYS[0]), _task("r1", KEYS[1])
+    fetcher.submit(handed)
+    fetcher.kick()
+    fetcher.submit(staged)
+    fetcher._shutdown()
+    for task in (handed, staged):
+        assert task.done
+        assert all(item.outcome == "timeout" for item in task.items.values())

@@ -1,10 +1,11 @@
 """Fetcher: a consumer fetches the items a request lacks from its peers, in a thread of its own.
 
-Runs in the scheduler process. The scheduler thread hands it one FetchTask
-per request (`submit`) and reads only `task.done`; everything else happens
-here. Each pass of the thread asks every peer, in one Lookup, for all the
-items that the tasks handed over since the last pass want from it (several
-requests of one engine step therefore cost one round trip per peer), and
+Runs in the scheduler process. The scheduler thread stages one FetchTask
+per request (`submit`), hands a step's tasks over together at its end
+(`kick`), and reads only `task.done`; everything else happens here. Each
+pass of the thread asks every peer, in one Lookup, for all the items that
+the tasks handed over since the last pass want from it (the requests of one
+engine step therefore cost one round trip per peer), and
 reads all the items one Reply leased with one NIXL READ (a ReadGroup), into
 local blocks reserved as not-ready entries.
 
@@ -209,7 +210,13 @@ class Fetcher:
         self.counters = counters
         self._on_failed = on_failed
         self._clock = clock
-        self._inbox: queue.SimpleQueue[FetchTask] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[FetchTask]] = queue.SimpleQueue()
+        """Batches handed over by `kick` (each: one step's tasks)."""
+        self._staged: list[FetchTask] = []
+        """Tasks submitted since the last `kick` (guarded by `_staging`)."""
+        self._staged_at = 0.0
+        """When the oldest of them was submitted (the fetcher's clock)."""
+        self._staging = threading.Lock()
         self._wake_r, self._wake_w = pysocket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -251,18 +258,47 @@ class Fetcher:
             raise self._error
 
     def submit(self, task: FetchTask) -> None:
-        """Hand a task to the fetcher thread (never blocks). It is taken on at the next
-        `kick`, or within IDLE_POLL_MS: waking the thread here would hand it the GIL
-        at the first of a step's tasks, and it would ask for them one by one."""
-        self._inbox.put(task)
+        """Stage a task for the fetcher thread (never blocks).
+
+        Guarantee: the thread takes on the tasks staged between two `kick`s
+        together, in one pass (one Lookup per peer, one claim and one READ per
+        producer for their handles), however busy it is meanwhile; only tasks
+        staged more than IDLE_POLL_MS ago with no `kick` (a caller that never
+        kicks) are taken on without one. Waking the thread here would hand it
+        the GIL at the first of a step's tasks, and it would ask for them one
+        by one."""
+        with self._staging:
+            if not self._staged:
+                self._staged_at = self._clock()
+            self._staged.append(task)
 
     def kick(self) -> None:
-        """Wake the thread to take on the tasks submitted so far (never blocks)."""
-        if self._inbox.empty() or self._stop.is_set():
+        """Hand the staged tasks over as one batch and wake the thread (never blocks)."""
+        if self._stop.is_set():
+            return  # what is staged fails at the thread's end
+        with self._staging:
+            batch, self._staged = self._staged, []
+        if not batch:
             return
+        self._inbox.put(batch)
         # A full pipe: the thread is awake anyway; a closed one: it has stopped.
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
+
+    def _take_tasks(self) -> list[FetchTask]:
+        """The tasks to take on in this pass: every batch `kick` handed over, and the
+        staged tasks no `kick` came for within IDLE_POLL_MS."""
+        tasks: list[FetchTask] = []
+        while True:
+            try:
+                tasks.extend(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if self._staged and self._clock() - self._staged_at >= IDLE_POLL_MS / 1000:
+            with self._staging:
+                tasks.extend(self._staged)
+                self._staged = []
+        return tasks
 
     def stop(self) -> bool:
         """Stop the thread (open fetches fail, reads are released or quarantined);
@@ -317,11 +353,7 @@ class Fetcher:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
                     pass
-        while True:
-            try:
-                task = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for task in self._take_tasks():
             self._begin(task)
         self._flush_claims()  # before the replies are read: their READs start first
         for link in list(self._links.values()):
@@ -915,6 +947,15 @@ class Fetcher:
             self._on_failed(item.wanted.key, outcome)
 
     def _shutdown(self) -> None:
+        # Tasks handed over or staged but never taken on fail with the open ones.
+        while True:
+            try:
+                self._tasks.extend(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        with self._staging:
+            self._tasks.extend(self._staged)
+            self._staged = []
         for group in list(self._reads):
             self._give_up(group)
         for group in list(self._awaiting):
