@@ -551,3 +551,66 @@ def test_consumer_only_worker_ignores_saves(config_factory: Any) -> None:
         assert w.submits == []
     finally:
         w.shutdown()
+
+
+# ------------------------------------------- one-entry steps (the fast paths)
+
+
+@pytest.mark.parametrize("blocks", [[10, 11, 12], [30, 5, 6]], ids=["one-run", "two-runs"])
+def test_a_one_entry_step_copies_and_reports_as_a_step_of_several(
+    worker: HostBackend, blocks: list[int]
+) -> None:
+    """A step of one save (one load) takes the path without lists; the same entry in a
+    step with another gives the same bytes, descriptors and report entries."""
+    data = torch.randn(3, WIDTH)
+    other = torch.randn(2, WIDTH)
+    alone = _step_save(worker, {"k": blocks}, {"k": data})
+    alone_submit = worker.submits[-1]
+    paired = _step_save(worker, {"k": blocks, "o": [60, 61]}, {"k": data, "o": other})
+    assert alone.completed_saves == ["k"] and alone.save_acks == [(0, 0, "k")]
+    assert paired.completed_saves == ["k", "o"] and paired.save_acks[0] == (0, 0, "k")
+    assert alone.stats == {"bytes_saved": 3 * BLOCK, "save_copy_seconds": 0.25}
+    assert alone.progress == paired.progress == [(0, 0, 0)]
+    assert alone_submit == (TransferDirection.DEVICE_TO_HOST, len(block_runs(blocks)))
+
+    load = (7, blocks, (3, WIDTH))
+    one, one_report = _step_load(worker, {"k": load})
+    assert worker.submits[-1] == (TransferDirection.HOST_TO_DEVICE, len(block_runs(blocks)))
+    two, two_report = _step_load(worker, {"k": load, "o": (8, [60, 61], (2, WIDTH))})
+    assert torch.equal(one["k"], data) and torch.equal(two["k"], data)
+    assert one["k"].shape == two["k"].shape and one["k"].dtype == two["k"].dtype
+    assert one_report.completed_loads == [7] and one_report.load_acks == [(0, 7)]
+    assert sorted(two_report.load_acks) == [(0, 7), (0, 8)]
+    assert one_report.stats == {"bytes_loaded": 3 * BLOCK, "load_copy_seconds": 0.25}
+    assert one_report.fallbacks == two_report.fallbacks == []
+    assert worker.num_inflight == 0
+
+
+@pytest.mark.parametrize("fault", ["submit", "buffer", "both"])
+def test_a_one_entry_load_falls_back_as_a_step_of_several(worker: HostBackend, fault: str) -> None:
+    """The one-entry load path falls back like the general one: a failed submission or
+    buffer is copied synchronously and counted; with no path left it raises."""
+    data = torch.randn(2, WIDTH)
+    _step_save(worker, {"k": [0, 1]}, {"k": data})
+    worker.fail_next_submit = fault in ("submit", "both")
+    worker.fail_allocations = 1 if fault == "buffer" else 0
+    worker.fail_copy_now = fault == "both"
+    submits = len(worker.submits)
+    if fault == "both":
+        with pytest.raises(ECCPULoadError, match="injected synchronous copy failure"):
+            _step_load(worker, {"k": (3, [0, 1], (2, WIDTH))})
+        return
+    cache, report = _step_load(worker, {"k": (3, [0, 1], (2, WIDTH))})
+    assert torch.equal(cache["k"], data)
+    assert report.fallbacks == [(0, "load")] and report.load_acks == [(0, 3)]
+    assert report.stats["bytes_loaded"] == 2 * BLOCK
+    assert len(worker.submits) == submits, "nothing was submitted a second time"
+
+
+def test_a_one_entry_save_that_fails_to_submit_falls_back(worker: HostBackend) -> None:
+    data = torch.randn(2, WIDTH)
+    worker.fail_next_submit = True
+    report = _step_save(worker, {"s": [4, 5]}, {"s": data})
+    assert report.save_acks == [(0, 0, "s")] and report.fallbacks == [(0, "save")]
+    cache, _ = _step_load(worker, {"s": (1, [4, 5], (2, WIDTH))})
+    assert torch.equal(cache["s"], data)

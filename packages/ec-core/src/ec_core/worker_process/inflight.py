@@ -4,13 +4,16 @@ Runs in worker processes. `InFlight` keeps them in submission order, hands
 the landed ones to the step's report (acknowledgements and measured figures),
 and says up to which step everything has settled. A batch that had landed
 when it was submitted (a synchronous backend, a fallback copy) is not kept
-as a batch at all: its acknowledgements wait in plain lists for the report.
+as a batch at all: its acknowledgements and figures go straight into the
+report the next `harvest` returns, where a tracked batch's go once it has
+landed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -19,6 +22,8 @@ from ec_core.metadata import ECCPUWorkerReport
 from ec_core.worker_process.transfer import TransferDirection, TransferHandle
 
 logger = get_logger(__name__)
+
+_SAVE = TransferDirection.DEVICE_TO_HOST
 
 
 @dataclass(slots=True)
@@ -39,16 +44,14 @@ class Transfer:
 
 
 class InFlight:
-    """Submitted batches, until they land and are reported."""
+    """Submitted batches, until they land and are reported (for the worker of `rank`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
         self._transfers: list[Transfer] = []
-        self._landed_saves: list[tuple[int, str]] = []
-        """`(step, mm_hash)` of saves that landed on submission, not yet reported."""
-        self._landed_loads: list[int] = []
-        """Transfer ids of loads that landed on submission, not yet reported."""
-        self._landed_figures = [0.0, 0.0, 0.0, 0.0]
-        """bytes saved, save seconds, bytes loaded, load seconds of the landed ones."""
+        self._landed = ECCPUWorkerReport()
+        """What has landed since the last harvest, already in report form (its
+        acknowledgements and figures): the next harvest returns it."""
 
     def __len__(self) -> int:
         """Batches still in flight (not the landed ones waiting for the report)."""
@@ -67,19 +70,23 @@ class InFlight:
         nbytes: int,
         seconds: float,
     ) -> None:
-        """Record a batch whose copies had all landed before it was handed over.
+        """Record a batch whose copies have all landed: the next `harvest` reports it.
 
-        It holds no tensor and no handle; the next `harvest` reports it (after
-        the batches still tracked) exactly as it would a tracked batch."""
-        figures = self._landed_figures
-        if direction is TransferDirection.DEVICE_TO_HOST:
-            self._landed_saves.extend([(step, key) for key in keys])
-            figures[0] += nbytes
-            figures[1] += seconds
+        A batch that landed before it was handed over comes here directly, holding
+        no tensor and no handle; a tracked one once `harvest` finds it landed."""
+        report = self._landed
+        stats = report.stats
+        rank = repeat(self._rank)  # (zip builds the acks without a Python frame)
+        if direction is _SAVE:
+            report.completed_saves.extend(keys)
+            report.save_acks.extend(zip(rank, repeat(step), keys, strict=False))
+            stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + nbytes
+            stats["save_copy_seconds"] = stats.get("save_copy_seconds", 0.0) + seconds
         else:
-            self._landed_loads.extend(tids)
-            figures[2] += nbytes
-            figures[3] += seconds
+            report.completed_loads.extend(tids)
+            report.load_acks.extend(zip(rank, tids, strict=False))
+            stats["bytes_loaded"] = stats.get("bytes_loaded", 0.0) + nbytes
+            stats["load_copy_seconds"] = stats.get("load_copy_seconds", 0.0) + seconds
 
     def settled_through(self, step: int, unsubmitted: Iterable[int] = ()) -> int:
         """The last step all of whose copies have landed or failed.
@@ -94,31 +101,18 @@ class InFlight:
         steps.extend(unsubmitted)
         return min(steps) - 1 if steps else step
 
-    def harvest(self, rank: int, report: ECCPUWorkerReport) -> None:
-        """Move every landed batch into `report` (acks and figures) and release it."""
+    def harvest(self) -> ECCPUWorkerReport:
+        """A new report of every batch that has landed since the last harvest, in the
+        order they were found landed (acknowledgements and figures only: the caller
+        fills in the rest); the tracked ones among them are released."""
         if self._transfers:
-            self._harvest_tracked(rank, report)
-        saves, loads = self._landed_saves, self._landed_loads
-        if saves or loads:
-            figures = self._landed_figures
-            stats = report.stats
-            if saves:
-                report.completed_saves.extend([key for _, key in saves])
-                report.save_acks.extend([(rank, step, key) for step, key in saves])
-                self._landed_saves = []
-                stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + figures[0]
-                stats["save_copy_seconds"] = stats.get("save_copy_seconds", 0.0) + figures[1]
-            if loads:
-                report.completed_loads.extend(loads)
-                report.load_acks.extend([(rank, tid) for tid in loads])
-                self._landed_loads = []
-                stats["bytes_loaded"] = stats.get("bytes_loaded", 0.0) + figures[2]
-                stats["load_copy_seconds"] = stats.get("load_copy_seconds", 0.0) + figures[3]
-            self._landed_figures = [0.0, 0.0, 0.0, 0.0]
+            self._harvest_tracked()
+        report = self._landed
+        self._landed = ECCPUWorkerReport()
+        return report
 
-    def _harvest_tracked(self, rank: int, report: ECCPUWorkerReport) -> None:
+    def _harvest_tracked(self) -> None:
         still: list[Transfer] = []
-        stats = report.stats
         for transfer in self._transfers:
             handle = transfer.handle
             if not handle.query():
@@ -127,19 +121,14 @@ class InFlight:
             seconds = handle.elapsed_seconds() or 0.0
             handle.release()
             transfer.keepalive.clear()
-            if transfer.direction is TransferDirection.DEVICE_TO_HOST:
-                keys = transfer.keys
-                report.completed_saves.extend(keys)
-                step = transfer.step
-                report.save_acks.extend([(rank, step, key) for key in keys])
-                stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + transfer.nbytes
-                stats["save_copy_seconds"] = stats.get("save_copy_seconds", 0.0) + seconds
-            else:
-                tids = transfer.tids
-                report.completed_loads.extend(tids)
-                report.load_acks.extend([(rank, tid) for tid in tids])
-                stats["bytes_loaded"] = stats.get("bytes_loaded", 0.0) + transfer.nbytes
-                stats["load_copy_seconds"] = stats.get("load_copy_seconds", 0.0) + seconds
+            self.add_landed(
+                transfer.direction,
+                transfer.step,
+                keys=transfer.keys,
+                tids=transfer.tids,
+                nbytes=transfer.nbytes,
+                seconds=seconds,
+            )
         self._transfers = still
 
     def drain(self) -> None:

@@ -119,10 +119,13 @@ class ECCPUWorker(WorkerHooks):
         pass with one compare; one beyond it re-reads it (`_unreserved_problem`)."""
         self._region_bytes = self.region.blocks.view(-1).view(torch.uint8)
         self._region_base = self.region.base_address  # fixed while the mapping is open
+        self._num_blocks = self.region.num_blocks
         self._warnings = RateLimitedWarnings(logger)
         self._step = 0
         self._bound_saves: dict[str, list[int]] = {}
-        self._inflight = InFlight()
+        self._rank = self.rank_info.rank
+        self._group_size = self.rank_info.group_size
+        self._inflight = InFlight(self._rank)
         self._pending_saves: list[PendingSave] = []
         self._queued: set[str] = set()
         self._failed_saves: list[tuple[int, str]] = []
@@ -158,7 +161,8 @@ class ECCPUWorker(WorkerHooks):
             self.flush_saves()  # get_finished did not run for the previous step
         self._step = max(self._step, metadata.step)
         self._bound_saves = metadata.saves
-        self._queued.clear()
+        if self._queued:
+            self._queued.clear()
 
     # --------------------------------------------------------------- loads
 
@@ -174,17 +178,17 @@ class ECCPUWorker(WorkerHooks):
         loads_asked = metadata.loads
         if not loads_asked or self._closed:
             return
+        dtype = self.dtype
+        block_size = self.block_size
+        num_blocks = self._num_blocks
+        backend = self._backend_name
+        runs_of = metadata.runs.get
         # Ascending first block keeps the region reads in address order.
         items = (
             sorted(loads_asked.items(), key=_first_block_of_load)
             if len(loads_asked) > 1
             else loads_asked.items()
         )
-        dtype = self.dtype
-        block_size = self.block_size
-        num_blocks = self.region.num_blocks
-        backend = self._backend_name
-        runs_of = metadata.runs.get
         loads = [
             plan_load(
                 key,
@@ -199,51 +203,58 @@ class ECCPUWorker(WorkerHooks):
             )
             for key, (tid, block_ids, shape) in items
         ]
-        staged: list[PlannedLoad] = []
-        buffers: list[torch.Tensor] = []
+        if len(loads) == 1:  # the usual step: the same as below, without the lists
+            encoder_cache[loads[0].key] = self._load_one(loads[0])
+            return
+        staged: list[tuple[PlannedLoad, torch.Tensor]] = []
         unstaged: list[tuple[PlannedLoad, torch.Tensor | None, Exception]] = []
         batch = DescriptorBatch()
-        region_base = self._region_base
         new_buffer = self._new_entry_buffer
+        describe = self._describe
         for load in loads:
             try:
                 buffer = new_buffer(load.shape, dtype)
             except Exception as exc:
                 unstaged.append((load, None, exc))
                 continue
-            runs = load.runs
-            if len(runs) == 1:  # the usual entry: one run, one descriptor (nbytes fit, as planned)
-                batch.add(region_base + runs[0][0] * block_size, buffer.data_ptr(), load.nbytes)
-            else:
-                batch.add_entry(
-                    load.block_ids,
-                    region_base=region_base,
-                    block_size=block_size,
-                    other_base=buffer.data_ptr(),
-                    nbytes=load.nbytes,
-                    to_region=False,
-                    runs=runs,
-                )
-            staged.append(load)
-            buffers.append(buffer)
+            describe(
+                batch, load.block_ids, load.runs, buffer.data_ptr(), load.nbytes, to_region=False
+            )
+            staged.append((load, buffer))
         if staged:
-            cause = self._submit(batch, LOAD, buffers, [], [load.tid for load in staged])
-            if cause is None and not unstaged:  # the usual step
-                for load, buffer in zip(staged, buffers, strict=True):
-                    encoder_cache[load.key] = buffer
-                return
+            cause = self._submit(
+                batch,
+                LOAD,
+                [buffer for _, buffer in staged],
+                [],
+                [load.tid for load, _ in staged],
+            )
             if cause is not None:
-                unstaged.extend(
-                    (load, buffer, cause) for load, buffer in zip(staged, buffers, strict=True)
-                )
-                staged, buffers = [], []
+                unstaged.extend((load, buffer, cause) for load, buffer in staged)
+                staged = []
         # Every entry goes into the cache only once all have been copied (or none, if one
         # cannot be: `_load_now` raises).
-        done = list(zip(staged, buffers, strict=True))
         for load, maybe_buffer, cause in unstaged:
-            done.append((load, self._load_now(load, maybe_buffer, cause)))
-        for load, buffer in done:
+            staged.append((load, self._load_now(load, maybe_buffer, cause)))
+        for load, buffer in staged:
             encoder_cache[load.key] = buffer
+
+    def _load_one(self, load: PlannedLoad) -> torch.Tensor:
+        """The entry of a step that loads only `load`, copied: what `start_load_caches`
+        does for several, step for step (a batch of one descriptor per run, the
+        same fallback), without building the lists. Raises as `_load_now` does."""
+        try:
+            buffer = self._new_entry_buffer(load.shape, self.dtype)
+        except Exception as exc:
+            return self._load_now(load, None, exc)
+        batch = DescriptorBatch()
+        self._describe(
+            batch, load.block_ids, load.runs, buffer.data_ptr(), load.nbytes, to_region=False
+        )
+        cause = self._submit(batch, LOAD, [buffer], [], [load.tid])
+        if cause is not None:
+            return self._load_now(load, buffer, cause)
+        return buffer
 
     def _load_now(
         self, load: PlannedLoad, buffer: torch.Tensor | None, cause: Exception
@@ -288,13 +299,14 @@ class ECCPUWorker(WorkerHooks):
         self._queued.add(mm_hash)
         shape = metadata.save_shapes.get(mm_hash)
         block_size = self.block_size
+        nbytes = 0 if shape is None else math.prod(shape) * self._itemsize
         # The usual tensor passes on three compares (`torch.Size == tuple`); any
         # other goes through `save_problem`, which says what is wrong, if anything.
         if (
             shape is None
             or source.dtype != self.dtype
             or source.shape != shape
-            or math.prod(shape) * self._itemsize > len(block_ids) * block_size
+            or nbytes > len(block_ids) * block_size
         ):
             problem = save_problem(
                 source, shape, block_ids, dtype=self.dtype, block_size=block_size
@@ -317,7 +329,6 @@ class ECCPUWorker(WorkerHooks):
             if problem is not None:
                 self._fail_save(mm_hash, self._step, problem, kind="save-unreserved")
                 return
-        nbytes = math.prod(shape) * self._itemsize  # == source's, as checked
         self._pending_saves.append(
             PendingSave(mm_hash, self._step, source.contiguous(), block_ids, nbytes, runs)
         )
@@ -351,27 +362,21 @@ class ECCPUWorker(WorkerHooks):
         if self._closed:
             return
         batch = DescriptorBatch()
-        region_base = self._region_base
-        block_size = self.block_size
+        describe = self._describe
         for save in pending:
-            runs = save.runs
-            if runs is not None and len(runs) == 1:  # one run, one descriptor (nbytes fit)
-                batch.add(
-                    save.source.data_ptr(), region_base + runs[0][0] * block_size, save.nbytes
-                )
-            else:
-                batch.add_entry(
-                    save.block_ids,
-                    region_base=region_base,
-                    block_size=block_size,
-                    other_base=save.source.data_ptr(),
-                    nbytes=save.nbytes,
-                    to_region=True,
-                    runs=runs,
-                )
-        cause = self._submit(
-            batch, SAVE, [save.source for save in pending], [save.key for save in pending], []
-        )
+            describe(
+                batch,
+                save.block_ids,
+                save.runs,
+                save.source.data_ptr(),
+                save.nbytes,
+                to_region=True,
+            )
+        if len(pending) == 1:  # the usual step: the same lists, built without a loop
+            sources, keys = [pending[0].source], [pending[0].key]
+        else:
+            sources, keys = [save.source for save in pending], [save.key for save in pending]
+        cause = self._submit(batch, SAVE, sources, keys, [])
         if cause is not None:
             for save in pending:
                 self._save_now(save, cause)
@@ -392,6 +397,38 @@ class ECCPUWorker(WorkerHooks):
         self._record_done(SAVE, keys=[save.key], nbytes=save.nbytes, began=began, step=save.step)
 
     # ---------------------------------------------------------- submission
+
+    def _describe(
+        self,
+        batch: DescriptorBatch,
+        block_ids: list[int],
+        runs: Sequence[tuple[int, int]] | None,
+        address: int,
+        nbytes: int,
+        *,
+        to_region: bool,
+    ) -> None:
+        """Add the copy of one entry (`nbytes` at `address`, laid out over `block_ids`,
+        whose runs are `runs` when known) to `batch`: one descriptor per run.
+
+        An entry of one run is one descriptor of its `nbytes` (which fit its
+        blocks: both paths check that before they get here)."""
+        if runs is not None and len(runs) == 1:
+            region = self._region_base + runs[0][0] * self.block_size
+            if to_region:
+                batch.add(address, region, nbytes)
+            else:
+                batch.add(region, address, nbytes)
+        else:
+            batch.add_entry(
+                block_ids,
+                region_base=self._region_base,
+                block_size=self.block_size,
+                other_base=address,
+                nbytes=nbytes,
+                to_region=to_region,
+                runs=runs,
+            )
 
     def _submit(
         self,
@@ -496,10 +533,9 @@ class ECCPUWorker(WorkerHooks):
 
     def build_connector_worker_meta(self) -> ECCPUWorkerReport:
         """Report every batch that has landed, failed saves, fallbacks, and this rank's progress."""
-        rank = self.rank_info.rank
-        report = ECCPUWorkerReport()
-        report.group_size = self.rank_info.group_size  # (a keyword costs more than this)
-        self._inflight.harvest(rank, report)
+        rank = self._rank
+        report = self._inflight.harvest()
+        report.group_size = self._group_size
         report.progress.append((rank, self._step, self.settled_through()))
         if self._failed_saves:
             report.failed_saves.extend((rank, step, key) for step, key in self._failed_saves)
