@@ -363,3 +363,74 @@ def test_a_step_of_several_entries_reports_each_once_with_its_figures(config: An
         assert report.progress == [(0, 9, 9)]
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_pool_builds_entries_in_their_shape_and_recycles_them_only_once_free(
+    dtype: torch.dtype,
+) -> None:
+    """`take` with a shape: the entry's own shape and dtype (numpy lacks bfloat16: it is
+    built as int16 and viewed), over memory of its own, back in the pool only after
+    every view of it is gone, exactly as a 1-D take viewed in that shape."""
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    cols = 256
+    rows = POOLED // (cols * dtype.itemsize)
+    entry = pool.take(POOLED, dtype, (rows, cols))
+    assert entry.shape == (rows, cols) and entry.dtype == dtype and entry.is_contiguous()
+    assert entry.untyped_storage().nbytes() >= POOLED
+    values = torch.arange(rows * cols).reshape(rows, cols).to(dtype)
+    entry.copy_(values)
+    address = entry.data_ptr()
+    part = entry[2:4]
+    del entry
+    gc.collect()
+    assert pool.lent == 1 and pool.idle_bytes == 0  # `part` still holds the storage
+    assert torch.equal(part, values[2:4])
+    del part
+    gc.collect()
+    assert pool.lent == 0 and pool.idle_bytes == _size_class(POOLED)
+    flat = pool.take(POOLED, dtype)
+    assert flat.data_ptr() == address and flat.shape == (rows * cols,)  # recycled
+    assert pool.fresh == 1
+    small = pool.take(POOLED // 2, dtype, (rows // 2, cols))  # below min_bytes: plain
+    assert small.shape == (rows // 2, cols) and pool.fresh == 1
+
+
+def test_a_one_entry_bf16_step_through_the_pool_is_byte_exact(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """The benchmark's step: one bfloat16 entry of one run, saved and loaded again and
+    again through pooled buffers; bytes exact, one buffer recycled throughout."""
+    rows, width = 64, 4096  # 512 KiB, pooled by `_SmallPooledWorker`
+    config = make_vllm_config(
+        tiny_model_dir,
+        dtype="bfloat16",
+        extra={"ec_cpu_bytes": "2MiB", "ec_cpu_dir": str(tmp_path)},
+        widths={"image": width},
+    )
+    worker = _SmallPooledWorker(config, rank_info=RankInfo(0, True))
+    try:
+        data = torch.randn(rows, width).to(torch.bfloat16)
+        blocks = list(range(rows * width * 2 // worker.block_size))
+        meta = ECCPUConnectorMetadata(
+            saves={"k": blocks}, save_shapes={"k": (rows, width)}, runs={"k": ((0, len(blocks)),)}
+        )
+        worker.bind(meta)
+        worker.save_caches({"k": data}, "k", meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().save_acks == [(0, 0, "k")]
+        load = ECCPUConnectorMetadata(
+            loads={"k": (5, blocks, (rows, width))}, runs={"k": ((0, len(blocks)),)}
+        )
+        cache: dict[str, torch.Tensor] = {}
+        for _ in range(3):
+            cache.clear()
+            worker.bind(load)
+            worker.start_load_caches(cache, load)
+            worker.get_finished()
+            report = worker.build_connector_worker_meta()
+            assert torch.equal(cache["k"], data) and cache["k"].dtype == torch.bfloat16
+            assert report.load_acks == [(0, 5)] and report.fallbacks == []
+        assert worker.load_pool.fresh == 1
+    finally:
+        worker.shutdown()

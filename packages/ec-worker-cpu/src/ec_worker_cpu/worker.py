@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import mmap
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from ec_core.worker_process.transfer import (
@@ -62,9 +64,11 @@ rows). Pooling costs about 4 us a load more than `torch.empty`, which smaller
 entries would not win back."""
 
 
+@functools.lru_cache(maxsize=1024)
 def _size_class(nbytes: int) -> int:
     """The buffer size `nbytes` is served from: whole pages, at most 1/8 above `nbytes`
-    (so entries of nearly the same size share buffers)."""
+    (so entries of nearly the same size share buffers). Cached: a model's entries come
+    in few sizes, and a load asks once per entry."""
     pages = -(-nbytes // _PAGE)
     if pages > 16:
         step = 1 << (pages.bit_length() - 4)
@@ -86,11 +90,33 @@ def _prefault(buffer: torch.Tensor) -> None:
         _libc.madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
-class _Buffer:
-    """One pooled buffer: its memory (a uint8 tensor) and a buffer-protocol window on it.
+_NUMPY_TWINS: dict[torch.dtype, type[np.generic]] = {
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+"""Torch dtypes numpy has too: `torch.from_numpy` gives them directly."""
 
-    The window is a numpy array over the tensor, so a memoryview of it keeps the
-    memory alive by itself: a tensor handed out never depends on the pool (or
+_NUMPY_STAND_INS: dict[int, type[np.generic]] = {
+    1: np.uint8,
+    2: np.int16,
+    4: np.int32,
+    8: np.int64,
+}
+"""Per item size, the numpy dtype a tensor of a dtype numpy lacks (bfloat16, the
+float8s) is built as and then viewed from (same bytes, same shape)."""
+
+
+class _Buffer:
+    """One pooled buffer: its memory (a uint8 tensor) and a numpy window on it.
+
+    Each loan is a numpy array of its own over the window: it holds the window,
+    which holds the memory, so a tensor handed out never depends on the pool (or
     this object) outliving it.
     """
 
@@ -108,12 +134,12 @@ class LoadBufferPool:
     """Host buffers for loaded entries, recycled once nothing refers to them any more.
 
     Guarantees:
-      * `take` returns a contiguous 1-D tensor in memory no live tensor shares:
-        every tensor it hands out is built (`torch.frombuffer`) over a
-        memoryview of its own, the tensor's storage holds that memoryview, and
-        a buffer comes back to the pool only when the memoryview dies, that is
-        when the storage (every view, slice or alias vLLM made of the entry)
-        has been freed; until then the pool holds the buffer's memory alive;
+      * `take` returns a contiguous tensor in memory no live tensor shares:
+        every tensor it hands out is built (`torch.from_numpy`) over a numpy
+        array of its own, the tensor's storage holds that array, and a buffer
+        comes back to the pool only when the array dies, that is when the
+        storage (every view, slice or alias vLLM made of the entry) has been
+        freed; until then the pool holds the buffer's memory alive;
       * at most `idle_limit` bytes wait in the pool between loads (the oldest
         idle buffers are freed first); a buffer that does not fit is freed as
         soon as its entry is;
@@ -128,9 +154,10 @@ class LoadBufferPool:
         self.min_bytes = min_bytes
         """Smaller requests are plain allocations (not pooled)."""
         self._free: dict[int, list[_Buffer]] = {}
-        self._idle: collections.OrderedDict[int, _Buffer] = collections.OrderedDict()
+        self._idle: collections.OrderedDict[_Buffer, None] = collections.OrderedDict()
+        """Every idle buffer, oldest first (the `_free` lists hold the same ones by size)."""
         self._idle_bytes = 0
-        self._lent: dict[int, tuple[weakref.ref[memoryview], _Buffer]] = {}
+        self._lent: dict[int, tuple[weakref.ref[np.ndarray[Any, Any]], _Buffer]] = {}
         self._returned: collections.deque[_Buffer] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
@@ -146,11 +173,18 @@ class LoadBufferPool:
         """Buffers handed out whose tensors are still alive."""
         return len(self._lent)
 
-    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D `dtype` tensor over `nbytes` bytes of memory of its own (contents undefined)."""
-        count = nbytes // dtype.itemsize
+    def take(
+        self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """A `dtype` tensor over `nbytes` bytes of memory of its own (contents undefined).
+
+        It is 1-D, or of `shape` when given (whose elements must fill `nbytes`
+        exactly): built in that shape, which costs less than viewing it after.
+        """
+        if shape is None:
+            shape = (nbytes // dtype.itemsize,)
         if nbytes < self.min_bytes or self._closed:
-            return torch.empty(count, dtype=dtype)
+            return torch.empty(shape, dtype=dtype)
         size = _size_class(nbytes)
         buffer = None
         with self._lock:
@@ -159,20 +193,23 @@ class LoadBufferPool:
             stack = self._free.get(size)
             if stack:
                 buffer = stack.pop()
-                del self._idle[id(buffer)]
+                del self._idle[buffer]
                 self._idle_bytes -= size
         if buffer is None:
             buffer = _Buffer(size)
             self.fresh += 1
-        view = buffer.window.data  # a new memoryview over the array, which it keeps alive
-        tensor = torch.frombuffer(view, dtype=dtype, count=count)
-        ref = weakref.ref(view, self._on_free)
-        self._lent[id(ref)] = (ref, buffer)
+        twin = _NUMPY_TWINS.get(dtype)
+        array = np.ndarray(shape, twin or _NUMPY_STAND_INS[dtype.itemsize], buffer.window)
+        tensor = torch.from_numpy(array)  # its storage holds `array`, and nothing else does
+        if twin is None:
+            tensor = tensor.view(dtype)
+        loan = weakref.ref(array, self._on_free)
+        self._lent[id(loan)] = (loan, buffer)
         return tensor
 
-    def _on_free(self, ref: weakref.ref[memoryview]) -> None:
+    def _on_free(self, loan: weakref.ref[np.ndarray[Any, Any]]) -> None:
         """The storage over a lent buffer was freed (any thread, maybe inside `take`)."""
-        entry = self._lent.pop(id(ref), None)
+        entry = self._lent.pop(id(loan), None)
         if entry is None or self._closed:
             return
         self._returned.append(entry[1])
@@ -189,10 +226,10 @@ class LoadBufferPool:
             if buffer.size > self.idle_limit:
                 continue  # freed with its last reference
             self._free.setdefault(buffer.size, []).append(buffer)
-            self._idle[id(buffer)] = buffer
+            self._idle[buffer] = None
             self._idle_bytes += buffer.size
         while self._idle_bytes > self.idle_limit:
-            _, buffer = self._idle.popitem(last=False)
+            buffer, _ = self._idle.popitem(last=False)
             self._free[buffer.size].remove(buffer)
             self._idle_bytes -= buffer.size
 
@@ -249,10 +286,7 @@ class CpuECCPUWorker(ECCPUWorker):
 
     def _new_entry_buffer(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         rows, cols = shape
-        nbytes = rows * cols * dtype.itemsize
-        if nbytes < self.load_pool.min_bytes:
-            return torch.empty(rows, cols, dtype=dtype)  # one op, no views
-        return self.load_pool.take(nbytes, dtype).view(rows, cols)
+        return self.load_pool.take(rows * cols * dtype.itemsize, dtype, shape)
 
     def _shutdown_transfer_backend(self) -> None:
         self.load_pool.close()
