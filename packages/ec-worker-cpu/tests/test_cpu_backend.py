@@ -396,6 +396,21 @@ def test_pool_builds_entries_in_their_shape_and_recycles_them_only_once_free(
     assert small.shape == (rows // 2, cols) and pool.fresh == 1
 
 
+def test_pool_serves_a_dtype_numpy_cannot_stand_in_for_without_losing_a_buffer() -> None:
+    """A dtype with no numpy type of its size (complex128, 16 bytes) gets a plain tensor;
+    the idle buffer stays in the pool for the next load that can use it."""
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    first = pool.take(POOLED, torch.float32)
+    del first
+    gc.collect()
+    assert pool.idle_bytes == _size_class(POOLED)
+    odd = pool.take(POOLED, torch.complex128, (POOLED // 16,))
+    assert odd.shape == (POOLED // 16,) and odd.dtype == torch.complex128
+    assert pool.idle_bytes == _size_class(POOLED) and pool.lent == 0
+    again = pool.take(POOLED, torch.float32)
+    assert pool.fresh == 1 and pool.lent == 1 and again.numel() == POOLED // 4
+
+
 def test_a_one_entry_bf16_step_through_the_pool_is_byte_exact(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:

@@ -183,8 +183,10 @@ class LoadBufferPool:
         """
         if shape is None:
             shape = (nbytes // dtype.itemsize,)
-        if nbytes < self.min_bytes or self._closed:
-            return torch.empty(shape, dtype=dtype)
+        twin = _NUMPY_TWINS.get(dtype)
+        built_as = twin or _NUMPY_STAND_INS.get(dtype.itemsize)
+        if nbytes < self.min_bytes or self._closed or built_as is None:
+            return torch.empty(shape, dtype=dtype)  # (no numpy type of its size: not pooled)
         size = _size_class(nbytes)
         buffer = None
         with self._lock:
@@ -198,8 +200,7 @@ class LoadBufferPool:
         if buffer is None:
             buffer = _Buffer(size)
             self.fresh += 1
-        twin = _NUMPY_TWINS.get(dtype)
-        array = np.ndarray(shape, twin or _NUMPY_STAND_INS[dtype.itemsize], buffer.window)
+        array = np.ndarray(shape, built_as, buffer.window)
         tensor = torch.from_numpy(array)  # its storage holds `array`, and nothing else does
         if twin is None:
             tensor = tensor.view(dtype)
