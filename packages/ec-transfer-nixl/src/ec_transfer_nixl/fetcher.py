@@ -285,16 +285,17 @@ class Fetcher:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
-    def _take_tasks(self) -> list[FetchTask]:
+    def _take_tasks(self, *, all_staged: bool = False) -> list[FetchTask]:
         """The tasks to take on in this pass: every batch `kick` handed over, and the
-        staged tasks no `kick` came for within IDLE_POLL_MS."""
+        staged tasks no `kick` came for within IDLE_POLL_MS (every staged one with
+        `all_staged`)."""
         tasks: list[FetchTask] = []
         while True:
             try:
                 tasks.extend(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        if self._staged and self._clock() - self._staged_at >= IDLE_POLL_MS / 1000:
+        if self._staged and (all_staged or self._clock() - self._staged_at >= IDLE_POLL_MS / 1000):
             with self._staging:
                 tasks.extend(self._staged)
                 self._staged = []
@@ -948,14 +949,7 @@ class Fetcher:
 
     def _shutdown(self) -> None:
         # Tasks handed over or staged but never taken on fail with the open ones.
-        while True:
-            try:
-                self._tasks.extend(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        with self._staging:
-            self._tasks.extend(self._staged)
-            self._staged = []
+        self._tasks.extend(self._take_tasks(all_staged=True))
         for group in list(self._reads):
             self._give_up(group)
         for group in list(self._awaiting):
