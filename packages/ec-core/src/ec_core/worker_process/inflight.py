@@ -19,11 +19,9 @@ import torch
 
 from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUWorkerReport
-from ec_core.worker_process.transfer import TransferDirection, TransferHandle
+from ec_core.worker_process.transfer import SAVE, TransferDirection, TransferHandle
 
 logger = get_logger(__name__)
-
-_SAVE = TransferDirection.DEVICE_TO_HOST
 
 
 @dataclass(slots=True)
@@ -77,7 +75,7 @@ class InFlight:
         report = self._landed
         stats = report.stats
         rank = repeat(self._rank)  # (zip builds the acks without a Python frame)
-        if direction is _SAVE:
+        if direction is SAVE:
             report.completed_saves.extend(keys)
             report.save_acks.extend(zip(rank, repeat(step), keys, strict=False))
             stats["bytes_saved"] = stats.get("bytes_saved", 0.0) + nbytes

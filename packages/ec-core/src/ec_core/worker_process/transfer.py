@@ -25,6 +25,11 @@ class TransferDirection(enum.Enum):
     """Encoder cache → region (a save)."""
 
 
+SAVE = TransferDirection.DEVICE_TO_HOST
+"""Short names for the two directions, for the worker's hot paths."""
+LOAD = TransferDirection.HOST_TO_DEVICE
+
+
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     """Split block ids into runs of consecutive ids: `[(first, count), ...]`.
 

@@ -34,6 +34,8 @@ from ec_core.worker_process.hooks import WorkerHooks
 from ec_core.worker_process.inflight import InFlight, Transfer
 from ec_core.worker_process.ranks import RankInfo, detect_rank_info
 from ec_core.worker_process.transfer import (
+    LOAD,
+    SAVE,
     CompletedTransfer,
     DescriptorBatch,
     TransferDirection,
@@ -51,10 +53,6 @@ def _first_block_of_load(item: tuple[str, tuple[int, list[int], tuple[int, int]]
     """Sort key of a load: its first block (an entry without blocks first)."""
     block_ids = item[1][1]
     return block_ids[0] if block_ids else -1
-
-
-SAVE = TransferDirection.DEVICE_TO_HOST
-LOAD = TransferDirection.HOST_TO_DEVICE
 
 
 class ECCPUWorker(WorkerHooks):
