@@ -241,3 +241,41 @@ def test_both_report_bounds_zero_is_refused() -> None:
             {"ec_cpu_bytes": 4096, "ec_report_timeout_steps": 0, "ec_report_timeout_s": 0},
             block_size_bytes=BLOCK,
         )
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"ec_cpu_bytes": "1e999999999"}, "ec_cpu_bytes"),
+        ({"ec_cpu_bytes": "1e400"}, "ec_cpu_bytes"),
+        ({"ec_cpu_bytes": 10**400}, "ec_cpu_bytes"),
+        ({"ec_cpu_bytes": "1e1000000GiB"}, "ec_cpu_bytes"),
+        ({"ec_cpu_bytes": 4096, "ec_region_open_timeout_s": 10**400}, "ec_region_open_timeout_s"),
+        ({"ec_cpu_bytes": 4096, "ec_report_timeout_s": 10**400}, "ec_report_timeout_s"),
+        (
+            {
+                "ec_cpu_bytes": 4096,
+                "ec_peers": ["h:1"],
+                "ec_peer_secret": "s3cret-for-tests",
+                "ec_peer_fetch_timeout_s": 10**400,
+            },
+            "ec_peer_fetch_timeout_s",
+        ),
+    ],
+)
+def test_an_out_of_range_number_is_the_settings_value_error(
+    extra: dict[str, object], key: str
+) -> None:
+    """Too large to compute with is malformed too: the parser's own ValueError naming
+    the key (which the early check passes on), never decimal.Overflow or OverflowError
+    (which it leaves for the engine, to fail cryptically in a worker)."""
+    with pytest.raises(ValueError, match=rf"\['{key}'\]"):
+        ECCPUSettings.from_extra_config(extra, block_size_bytes=BLOCK, role="ec_both")
+
+
+def test_a_size_beyond_any_file_is_refused_where_the_config_is_built() -> None:
+    """Accepted, a size past float range made the worker's own "too large for the
+    directory" check fail with OverflowError (format_bytes) instead of its ValueError."""
+    with pytest.raises(SizeError, match="too large"):
+        parse_byte_size("1e400")
+    assert parse_byte_size("4TiB") == 4 * 1024**4

@@ -172,7 +172,7 @@ def _seconds(
         raise _invalid(key, raw, "expected a number of seconds")
     try:
         seconds = float(raw)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise _invalid(key, raw, "expected a number of seconds") from None
     if allow_zero and seconds == 0:
         return 0.0

@@ -183,7 +183,7 @@ def _parse_seconds(key: str, raw: object, *, allow_zero: bool) -> float:
         raise _invalid(key, raw, "expected a number of seconds")
     try:
         seconds = float(raw)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise _invalid(key, raw, "expected a number of seconds") from None
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"

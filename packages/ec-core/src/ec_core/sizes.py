@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException, InvalidOperation
 
 _UNITS: dict[str, int] = {
     "b": 1,
@@ -76,15 +76,26 @@ def _parse_text(text: str) -> int:
         number = Decimal(match.group("number"))
     except InvalidOperation as exc:  # pragma: no cover - the regex admits only valid numbers
         raise SizeError("not a number") from exc
-    total = number * _UNITS[unit or "b"]
-    if total != total.to_integral_value():
+    try:
+        total = number * _UNITS[unit or "b"]
+        whole = total == total.to_integral_value()
+    except DecimalException:  # beyond the decimal context's exponent range
+        raise SizeError("the size is too large") from None
+    if not whole:
         raise SizeError("the size must be a whole number of bytes")
     return _positive(int(total))
+
+
+_MAX_BYTES = 1 << 62
+"""4 EiB: far above any machine's memory, and below what a file offset (a signed
+64-bit `off_t`) and the region header's fields can hold."""
 
 
 def _positive(size: int) -> int:
     if size <= 0:
         raise SizeError("the size must be positive")
+    if size > _MAX_BYTES:
+        raise SizeError("the size is too large (at most 4 EiB)")
     return size
 
 
