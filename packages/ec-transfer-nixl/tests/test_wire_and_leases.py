@@ -338,3 +338,21 @@ def test_a_producer_still_answers_a_claim_of_one_lease_without_claims() -> None:
     assert reply.results == [("a", OK, spans["a"]), ("b", OK, spans["b"])]
     server._give_back([Release(2, 1000.0, lease, ["a", "b"])])
     assert not allocator.has_held_entries() and server.counters.bytes_served == 0
+
+
+def test_a_read_that_fails_in_nixl_reads_as_err_and_never_raises() -> None:
+    """NIXL's check_xfer_state raises (e.g. nixlRemoteDisconnectError when the producer
+    dies during a READ over TCP) instead of returning "ERR": RegionAgent.state must
+    still say "ERR", else the exception ends the fetcher thread and every later fetch
+    is never done (its requests wait forever)."""
+    from ec_transfer_nixl.agent import RegionAgent
+
+    class DisconnectError(Exception):
+        pass
+
+    def check_xfer_state(handle: object) -> str:
+        raise DisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    agent = RegionAgent.__new__(RegionAgent)
+    agent._agent = SimpleNamespace(check_xfer_state=check_xfer_state)  # type: ignore[attr-defined]
+    assert agent.state(object()) == "ERR"

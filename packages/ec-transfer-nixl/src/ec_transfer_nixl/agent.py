@@ -105,7 +105,10 @@ class RegionAgent:
 
     def state(self, handle: Any) -> str:
         """ "PROC" while the READ runs, then "DONE" or "ERR" (drives NIXL's progress)."""
-        return str(self._agent.check_xfer_state(handle))
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception:  # NIXL raises for a failed READ (e.g. the peer went away)
+            return "ERR"
 
     def release(self, handle: Any) -> bool:
         """Free a transfer handle; False when NIXL refuses (the READ may still run)."""
