@@ -703,3 +703,27 @@ def test_tasks_never_taken_on_fail_when_the_fetcher_stops() -> None:
     for task in (handed, staged):
         assert task.done
         assert all(item.outcome == "timeout" for item in task.items.values())
+
+
+def test_a_reply_span_of_negative_length_never_writes_outside_the_reservation() -> None:
+    """A peer holding the secret (buggy or hostile) whose spans add up to the size but
+    one of which is negative: the READ must not write this engine's other entries."""
+    machine = FetchMachine()
+    fetcher, allocator, peer = machine.fetcher, machine.allocator, PEERS[0]
+    assert machine.local.reserve("here", 2, COLS) is not None  # a ready entry below
+    assert machine.local.landed("here")
+    fetcher._begin(_task("r0", KEYS[0]))
+    fetcher._tick(_now[0])
+    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    nbytes = COLS * ITEMSIZE
+    reply = machine._reply(
+        lookup, status=OK, results=[(KEYS[0], OK, [(5000, -BLOCK), (6000, nbytes + BLOCK)])]
+    )
+    fetcher._apply(fetcher._links[peer], reply)
+    entry = allocator.get(KEYS[0])
+    reserved = set(entry.block_ids) if entry is not None else set()
+    for read in machine.agent.reads:
+        assert read.blocks <= reserved, f"a READ writes blocks {sorted(read.blocks - reserved)}"
+    assert machine.agent.reads == []  # such spans are not read at all
+    assert allocator.get(KEYS[0]) is None  # nor is anything left reserved
+    assert allocator.get("here") is not None and allocator.get("here").ready

@@ -482,7 +482,7 @@ class Fetcher:
             for key, item in task.items.items()
             if key in handle.spans
             and handle.shapes.get(key) == (item.wanted.rows, item.wanted.cols)
-            and sum(n for _, n in handle.spans[key]) == self._nbytes(item.wanted)
+            and _holds(handle.spans[key], self._nbytes(item.wanted))
         ]
 
     def _flush_claims(self) -> None:
@@ -723,7 +723,7 @@ class Fetcher:
         not_read: list[str] = []
         fitting: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]], int]] = []
         for task, item, remote, lease in leased:
-            if sum(n for _, n in remote) != self._nbytes(item.wanted):
+            if not _holds(remote, self._nbytes(item.wanted)):
                 item.answers[peer] = "shape"
                 not_read.append(item.wanted.key)
             else:
@@ -967,6 +967,12 @@ class Fetcher:
         for link in self._links.values():
             link.socket.close(0)
         self.agent.close()
+
+
+def _holds(spans: list[tuple[int, int]], nbytes: int) -> bool:
+    """`spans` (a peer's) are `nbytes` in all, each of a positive length at a valid
+    address: a negative length would shift the READ's local side out of its blocks."""
+    return all(a >= 0 and n > 0 for a, n in spans) and sum(n for _, n in spans) == nbytes
 
 
 def _leases_of(batch: list[tuple[FetchTask, ItemFetch]]) -> dict[str, int]:
