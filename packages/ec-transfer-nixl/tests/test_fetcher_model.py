@@ -727,3 +727,27 @@ def test_a_reply_span_of_negative_length_never_writes_outside_the_reservation() 
     assert machine.agent.reads == []  # such spans are not read at all
     assert allocator.get(KEYS[0]) is None  # nor is anything left reserved
     assert allocator.get("here") is not None and allocator.get("here").ready
+
+
+def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease() -> None:
+    """The producer's lease runs from when it answered, at the latest from when the
+    lookup was sent, not from when this thread got to the reply: a READ that ends
+    after the lookup's send + lease_s may read blocks the producer already reused."""
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    task = _task("r0", KEYS[0])
+    task.deadline = _now[0] + 10
+    fetcher._begin(task)
+    fetcher._tick(_now[0])
+    sent = _now[0]
+    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    # This producer's ec_peer_lease_s: its pins went at sent + 3 s at the latest.
+    reply.lease_s = 3.0
+    _now[0] += 2.0  # the thread took the reply off the socket 2 s after it was sent (busy host)
+    fetcher._apply(fetcher._links[peer], reply)
+    (read,) = machine.agent.running()
+    _now[0] = sent + 3.5  # the READ ends after the producer's lease did
+    read.state = "DONE"
+    fetcher._tick(_now[0])
+    assert task.items[KEYS[0]].outcome != "landed"

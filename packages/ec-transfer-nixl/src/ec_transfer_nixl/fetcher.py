@@ -222,8 +222,11 @@ class Fetcher:
         self._wake_w.setblocking(False)
         self._links: dict[PeerAddress, _Link] = {}
         self._poller: zmq.Poller | None = None
-        self._pending: dict[int, tuple[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]]]] = {}
-        """Lookup nonce -> the peer asked and the items it was asked for."""
+        self._pending: dict[
+            int, tuple[PeerAddress, dict[str, tuple[FetchTask, ItemFetch]], float]
+        ] = {}
+        """Lookup nonce -> the peer asked, the items it was asked for, and when it was
+        sent (a lease it grants cannot have begun before)."""
         self._claims: dict[int, ReadGroup] = {}
         """Claim nonce -> the READ started on the handle leases it claims (if one was)."""
         self._claiming: dict[PeerAddress, list[tuple[FetchTask, list[ItemFetch]]]] = {}
@@ -459,7 +462,7 @@ class Fetcher:
             for _, item in wanted.values():
                 item.retry_at[peer] = now + CONNECT_RETRY_S
             return False
-        self._pending[nonce] = (peer, wanted)
+        self._pending[nonce] = (peer, wanted, now)
         if group is not None:
             group.claim_sent, group.claim_nonce = now, nonce
             self._claims[nonce] = group
@@ -616,7 +619,7 @@ class Fetcher:
         if waiting is None:  # an answer that came too late: give its leases back
             self._release(link, keys_by_lease(held, held))
             return
-        peer, wanted = waiting
+        peer, wanted, sent = waiting
         if reply.status == INCOMPATIBLE:
             if not link.incompatible:
                 logger.warning(
@@ -657,7 +660,7 @@ class Fetcher:
             else:
                 item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
         if to_read:
-            not_needed.extend(self._start_read(peer, link, reply, to_read))
+            not_needed.extend(self._start_read(peer, link, reply, to_read, sent))
         self._release(link, keys_by_lease(held, not_needed))
 
     def _ask_again(self, task: FetchTask, item: ItemFetch) -> None:
@@ -717,9 +720,11 @@ class Fetcher:
         link: _Link,
         reply: Reply,
         leased: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]], int]],
+        sent: float,
     ) -> list[str]:
         """Reserve blocks for the leased items (`(task, item, spans, lease)`) and start
-        one READ of them all; the keys not being read (their pins can go back at once)."""
+        one READ of them all; the keys not being read (their pins can go back at once).
+        `sent`: when the lookup went out (the lease began no earlier)."""
         not_read: list[str] = []
         fitting: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]], int]] = []
         for task, item, remote, lease in leased:
@@ -755,7 +760,7 @@ class Fetcher:
             peer=peer,
             items=reserved,
             started=now,
-            lease_until=now + reply.lease_s - LEASE_MARGIN_S,
+            lease_until=sent + reply.lease_s - LEASE_MARGIN_S,
             deadline=min(of[id(item)][0].deadline for item in reserved),
             granted={item.wanted.key: of[id(item)][2] for item in reserved},
         )
@@ -875,7 +880,7 @@ class Fetcher:
         if all(item.outcome is not None for item in task.items.values()):
             task.done = True
             self._tasks.remove(task)
-            for nonce, (_, wanted) in list(self._pending.items()):
+            for nonce, (_, wanted, _) in list(self._pending.items()):
                 for key in task.items:
                     wanted.pop(key, None)
                 if not wanted:
