@@ -47,7 +47,7 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries, Wanted
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch, _Link
+from ec_transfer_nixl.fetcher import LINKS_MAX, Fetcher, FetchTask, HandleLease, ItemFetch, _Link
 from ec_transfer_nixl.wire import (
     LAPSED,
     MISSING,
@@ -751,3 +751,93 @@ def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease(
     read.state = "DONE"
     fetcher._tick(_now[0])
     assert task.items[KEYS[0]].outcome != "landed"
+
+
+def _fetcher_over(context: Any) -> Fetcher:
+    allocator = BlockAllocator(6)
+    local = LocalEntries(
+        allocator, threading.RLock(), allocator.unpin, lambda k: False, lambda r, c: r
+    )
+    fetcher = Fetcher(
+        context=context,
+        secret=SECRET,
+        fingerprint="fp",
+        local=local,
+        make_agent=FakeAgent,  # type: ignore[arg-type]
+        spans=lambda runs, nbytes: [(first * BLOCK, count * BLOCK) for first, count in runs],
+        itemsize=ITEMSIZE,
+        counters=PeerCounters(),
+        on_failed=lambda key, cause: None,
+        clock=lambda: _now[0],
+    )
+    fetcher.agent = FakeAgent()  # type: ignore[assignment]
+    return fetcher
+
+
+def _task_at(request_id: str, peer: PeerAddress) -> FetchTask:
+    return FetchTask(
+        request_id=request_id,
+        items={request_id: ItemFetch(Wanted(request_id, 1, COLS))},
+        candidates=(peer,),
+        lookup_deadline=_now[0] + LOOKUP_S,
+        deadline=_now[0] + FETCH_S,
+    )
+
+
+def test_a_peer_address_zeromq_refuses_fails_its_items_and_the_fetcher_goes_on() -> None:
+    """A request's ec_transfer_params (client input) may name any peer that passes
+    PeerAddress.parse; one ZeroMQ cannot connect to must fail that fetch, not raise
+    out of the fetcher thread's pass (which would end the thread: every later fetch
+    would never be done, and its request would wait forever)."""
+    import zmq
+
+    context = zmq.Context()
+    try:
+        fetcher = _fetcher_over(context)
+        task = _task_at("r0", PeerAddress.parse("ec_transfer_params.peer", "-:5"))
+        fetcher._begin(task)
+        fetcher._tick(_now[0])
+        _now[0] += LOOKUP_S + 0.1
+        fetcher._tick(_now[0])
+        assert task.done
+        assert task.items["r0"].outcome == "unreachable"
+        fetcher._shutdown()
+    finally:
+        context.destroy(linger=0)
+
+
+def test_the_links_to_peers_stay_bounded_whatever_peers_handles_name() -> None:
+    """Each handle may name another producer: links to peers no open fetch uses are
+    dropped, so ZeroMQ's socket limit (1023 per context) is never reached."""
+    import zmq
+
+    class Context:
+        open = 0
+
+        def socket(self, kind: int) -> Any:
+            if Context.open >= 1023:
+                raise zmq.ZMQError(24)  # EMFILE, as ZeroMQ's max sockets
+            Context.open += 1
+            sock = FakeSocket()
+            sock.setsockopt = lambda *args: None  # type: ignore[attr-defined]
+            sock.connect = lambda address: None  # type: ignore[attr-defined]
+
+            def close(linger: int = 0) -> None:
+                Context.open -= 1
+
+            sock.close = close  # type: ignore[method-assign]
+            return sock
+
+    fetcher = _fetcher_over(Context())
+    for i in range(1100):
+        task = _task_at(f"r{i}", PeerAddress("10.255.0.1", 1000 + i))
+        fetcher._begin(task)
+        fetcher._tick(_now[0])
+        _now[0] += LOOKUP_S + 0.1
+        fetcher._tick(_now[0])
+        assert task.done
+    later = _task_at("later", PeerAddress("10.0.0.9", 9))
+    fetcher._begin(later)
+    fetcher._tick(_now[0])
+    assert later.items["later"].asked, "the lookup of a later fetch went out"
+    assert len(fetcher._links) <= LINKS_MAX + 1

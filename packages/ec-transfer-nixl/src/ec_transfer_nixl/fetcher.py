@@ -86,6 +86,9 @@ DOWN_FOR_S = 5.0
 LEASE_MARGIN_S = 1.0
 """A READ that ends later than this before its lease's end is not trusted."""
 CAUSE_ORDER = ("incompatible", "shape", "not_ready", "missing")
+LINKS_MAX = 256
+"""Links kept to peers; beyond it, those no open fetch uses are dropped (handles,
+client input, may name any number of producers; ZeroMQ allows 1023 sockets)."""
 LOOKUP_ITEMS_MAX = 256
 """Items per Lookup message; more are asked in several (the producer answers each
 under its scheduler's lock, so one message must not hold it long)."""
@@ -176,7 +179,8 @@ class ReadGroup:
 class _Link:
     """The DEALER socket to one peer and what this engine knows of the peer."""
 
-    socket: zmq.Socket[Any]
+    socket: zmq.Socket[Any] | None
+    """None: ZeroMQ refused a socket for the peer (it is down until `down_until`)."""
     down_until: float = 0.0
     incompatible: bool = False
     agent: str = ""
@@ -345,7 +349,8 @@ class Fetcher:
             poller = self._poller = zmq.Poller()
             poller.register(self._wake_r, zmq.POLLIN)
             for link in self._links.values():
-                poller.register(link.socket, zmq.POLLIN)
+                if link.socket is not None:
+                    poller.register(link.socket, zmq.POLLIN)
         if self._reads or self._quarantine:
             events = dict(poller.poll(0))
             if not events:
@@ -361,7 +366,7 @@ class Fetcher:
             self._begin(task)
         self._flush_claims()  # before the replies are read: their READs start first
         for link in list(self._links.values()):
-            if link.socket in events:
+            if link.socket is not None and link.socket in events:
                 self._receive(link)
         self._tick(self._clock())
 
@@ -388,15 +393,44 @@ class Fetcher:
 
     def _link(self, peer: PeerAddress) -> _Link:
         link = self._links.get(peer)
-        if link is None:
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a peer not connected
-            sock.connect(f"tcp://{peer.host}:{peer.port}")
-            link = _Link(sock)
+        if link is None or (link.socket is None and link.down_until <= self._clock()):
+            if link is None and len(self._links) >= LINKS_MAX:
+                self._drop_idle_links()
+            sock = None
+            try:
+                sock = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a peer not connected
+                sock.connect(f"tcp://{peer.host}:{peer.port}")
+                link = _Link(sock)
+            except zmq.ZMQError as exc:  # e.g. an address it cannot parse, or no sockets left
+                if sock is not None:
+                    sock.close(0)
+                # One tag for all such peers: a handle may name any number of them.
+                self._warnings.warn("link", "EC CPU tier: cannot connect to %s: %s", peer, exc)
+                link = _Link(None, down_until=self._clock() + DOWN_FOR_S)
             self._links[peer] = link
             self._poller = None
         return link
+
+    def _drop_idle_links(self) -> None:
+        """Close the links no open fetch, READ or message to send uses."""
+        busy = {peer for peer, _, _ in self._pending.values()}
+        busy.update(g.peer for g in (*self._reads, *self._awaiting, *self._quarantine))
+        busy.update(self._asks)
+        busy.update(self._claiming)
+        busy.update(peer for peer, _, _ in self._releases)
+        for task in self._tasks:
+            busy.update(task.candidates)
+            if task.handle is not None:
+                busy.add(task.handle.peer)
+        for peer in [peer for peer in self._links if peer not in busy]:
+            link = self._links.pop(peer)
+            if link.socket is not None:
+                link.socket.close(0)
+            if link.agent:
+                self.agent.forget(link.agent)
+        self._poller = None
 
     def _begin(self, task: FetchTask) -> None:
         """Take a task on; its lookups go out at the end of this pass, the claim of its
@@ -455,6 +489,7 @@ class Fetcher:
             claims=under,
         )
         try:
+            assert link.socket is not None  # a link without one is down
             link.socket.send(seal(lookup, self._secret), zmq.NOBLOCK)
         except zmq.Again:
             # Not connected (yet): IMMEDIATE queues nothing for it. Try again soon;
@@ -576,7 +611,9 @@ class Fetcher:
         self._poll_read(group)  # a small READ may be done already
 
     def _peer_down(self, peer: PeerAddress, why: str) -> None:
-        link = self._links[peer]
+        link = self._links.get(peer)
+        if link is None:
+            return  # dropped as idle since: the next ask makes it again
         if link.down_until <= self._clock():
             self._warnings.warn(
                 f"down:{peer}",
@@ -589,6 +626,7 @@ class Fetcher:
 
     def _receive(self, link: _Link) -> None:
         sock = link.socket
+        assert sock is not None  # only a link with a socket is polled
         # EVENTS is read without letting go of the GIL; a recv that finds nothing would
         # let go of it (and wait to take it back) only to raise.
         while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
@@ -670,7 +708,7 @@ class Fetcher:
 
     def _release(self, link: _Link, leases: dict[int, list[str]], *, read: bool = False) -> None:
         """Give back the keys of each lease (one message for all of them)."""
-        if not leases:
+        if not leases or link.socket is None:
             return
         (lease, keys), *more = leases.items()
         release = Release(
@@ -970,7 +1008,8 @@ class Fetcher:
         self._tasks.clear()
         self._flush_releases()
         for link in self._links.values():
-            link.socket.close(0)
+            if link.socket is not None:
+                link.socket.close(0)
         self.agent.close()
 
 
