@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +14,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMeta
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
 from ec_scheduler import ECCPUScheduler
+from ec_scheduler.remote import LocalEntries
 from ectools.driving import (
     Item,
     SimulatedRanks,
@@ -329,6 +332,52 @@ def test_shutdown_is_idempotent_and_stops_hits(make_scheduler: SchedulerFactory)
     assert scheduler.request_finished(make_request("r", [Item(H)])) == (False, None)
     result = StepDriver(scheduler).step([make_request("r", [Item(H)])])
     assert result.meta.saves == {} and result.meta.loads == {}
+
+
+class _ThreadedRemote:
+    """A remote source whose own thread gives its lease back when it is stopped, the
+    way ec-transfer-nixl's server thread does (`Leases.release_all` in its `finally`)."""
+
+    def __init__(self, local: LocalEntries) -> None:
+        self.local = local
+        self.released = False
+        self.stopped_in_time = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._stop.wait()
+        self.local.release([H])  # takes the scheduler's lock
+        self.released = True
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.stopped_in_time = not self._thread.is_alive()
+        self.local.closed = True
+
+
+def test_shutdown_lets_the_remote_sources_threads_give_their_leases_back(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
+    local = LocalEntries(
+        scheduler.allocator,
+        scheduler.lock,
+        scheduler._release_pin,
+        scheduler._stale.__contains__,
+        lambda rows, cols: scheduler.layout.blocks_for(rows, cols, 4),
+    )
+    assert local.lease(H, 8, WIDTH)[0] == "ready"  # a peer's lease: one pin
+    remote = _ThreadedRemote(local)
+    scheduler.remote = remote  # type: ignore[assignment]
+    began = time.monotonic()
+    scheduler.shutdown()
+    assert remote.stopped_in_time, "the source's thread was blocked on the scheduler's lock"
+    assert remote.released
+    assert time.monotonic() - began < 2
 
 
 def test_region_full_of_held_entries_skips_saves_and_never_blocks(

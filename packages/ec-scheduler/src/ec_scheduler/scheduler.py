@@ -551,14 +551,22 @@ class ECCPUScheduler:
         self.counters.evictions += 1
         self.counters.evicted_blocks += entry.num_blocks
 
-    @_locked
     def shutdown(self) -> None:
         """Forget all state and stop answering hits. Idempotent."""
-        if self._shut_down:
-            return
-        self._shut_down = True
-        if self.remote is not None:
-            self.remote.shutdown()  # stops its threads before the state goes
+        with self.lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            remote = self.remote
+        if remote is not None:
+            # Stops its threads before the state goes, outside the lock: they give
+            # their leases and reservations back through `LocalEntries`, which takes
+            # it, and would otherwise wait until the source gives up joining them.
+            remote.shutdown()
+        with self.lock:
+            self._clear_after_shutdown()
+
+    def _clear_after_shutdown(self) -> None:
         if self._side_reports is not None:
             self._side_reports.close()
         if self._reservation is not None:
