@@ -684,3 +684,31 @@ def test_overdue_warnings_are_rate_limited(
     assert scheduler.counters.saves_reclaimed == 3
     warnings = [r for r in ec_log.records if "is unreported after" in r.getMessage()]
     assert len(warnings) == 1, "one line per period, not one per copy"
+
+
+class _RecordingRemote:
+    """A remote source that only records what the scheduler asks it for."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, int, int]] = []
+
+    def wants(self, request: object, missing: list[object]) -> bool:
+        self.asked.extend((w.key, w.rows, w.cols) for w in missing)  # type: ignore[attr-defined]
+        return False
+
+
+def test_items_are_asked_of_peers_in_the_width_their_modality_is_saved_in(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """An encoder wider than the LM embedding (DeepStack) is saved, and so held by
+    a producer, in its measured width: a fetch must ask for that shape."""
+    scheduler = make_scheduler()
+    scheduler._widths["image"] = 4 * WIDTH  # measured: four times the embedding width
+    remote = _RecordingRemote()
+    scheduler.remote = remote  # type: ignore[assignment]
+    request = make_request("r", [Item(H, embeds=8)])
+    assert scheduler.ensure_cache_available(request, 0)
+    assert remote.asked == [(H, 8, 4 * WIDTH)]
+    scheduler.remote = None
+    StepDriver(scheduler).step([request])
+    assert scheduler.allocator.get(H).shape == (8, 4 * WIDTH), "what a local save holds"

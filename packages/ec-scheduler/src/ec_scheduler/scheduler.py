@@ -268,7 +268,11 @@ class ECCPUScheduler:
             if entry is not None and self._holds(entry, rows, request.request_id):
                 continue
             if rows > 0:  # absent, or not ready yet: its save or fetch is under way
-                missing.append(Wanted(feature.identifier, rows, self.layout.embed_width))
+                # In the width a save of it has (a producer's entries have their
+                # modality's measured width, wider than the embedding for DeepStack
+                # encoders); the embedding width where none was measured here.
+                cols = self._widths.get(feature.modality, self.layout.embed_width)
+                missing.append(Wanted(feature.identifier, rows, cols))
         # Asked even with nothing missing: items being fetched for this request are
         # reserved here (not ready), and the request waits until they land.
         if remote.wants(request, missing):
