@@ -383,6 +383,34 @@ def test_an_unreachable_peer_fails_fast_and_is_left_alone(
     assert not consumer.scheduler.allocator.has_held_entries()
 
 
+def test_a_fetcher_thread_that_dies_on_a_bug_leaves_no_request_waiting(
+    make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error in the fetcher thread (a bug: a peer's faults are handled
+    where they happen) fails its open fetches and stops fetching: the request that
+    was waiting goes on, later ones do not wait at all, and the error is logged."""
+    consumer = make_engine("ec_both", ec_peers=[f"127.0.0.1:{_free_port()}"], **PATIENT)
+    fetcher = _fetcher(consumer)
+    first = make_request("r1", [Item("img-1", 4)])
+    with _between_passes(fetcher):
+        assert not consumer.scheduler.ensure_cache_available(first, 0), "deferred: fetching"
+
+        def broken(now: float) -> None:
+            raise RuntimeError("injected bug")
+
+        fetcher._tick = broken
+        consumer.scheduler.build_connector_meta(scheduler_output(0))  # kicks the step's tasks
+    consumer.wait_available(first)  # failed by the dying thread: no lookup deadline needed
+    _wait_for(lambda: not fetcher._thread.is_alive())
+    assert not fetcher.running
+    later = make_request("r2", [Item("img-2", 4)])
+    assert consumer.scheduler.ensure_cache_available(later, 0), "nothing to wait for now"
+    meta = StepDriver(consumer.scheduler).step([first, later]).meta
+    assert set(meta.saves) == {"img-1", "img-2"}, "both are encoded and saved here"
+    assert meta.loads == {}
+    assert any("stopped on an unexpected error" in r.getMessage() for r in ec_log.records)
+
+
 def test_a_step_that_ends_after_the_consumer_shut_down_does_not_raise(
     make_engine: Callable[..., Engine],
 ) -> None:

@@ -264,6 +264,11 @@ class Fetcher:
         if self._error is not None:
             raise self._error
 
+    @property
+    def running(self) -> bool:
+        """Whether the thread still takes tasks on (False once it stopped, asked to or not)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def submit(self, task: FetchTask) -> None:
         """Stage a task for the fetcher thread (never blocks).
 
@@ -340,6 +345,11 @@ class Fetcher:
         try:
             while not self._stop.is_set():
                 self._loop_once()
+        except Exception:
+            # A bug, not a peer's doing (those are handled where they happen). The open
+            # fetches fail below, and `running` turns False: every item from now on is
+            # encoded locally, and no request waits on a thread that is gone.
+            logger.exception("EC CPU tier: the peer fetcher stopped on an unexpected error")
         finally:
             self._shutdown()
 

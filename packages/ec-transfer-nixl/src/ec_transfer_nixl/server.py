@@ -159,6 +159,10 @@ class PeerServer:
                     self._serve(socket)
                 agent.notifications()  # drives NIXL's progress; none are sent
                 leases.expire()
+        except Exception:
+            # A bug, not a peer's doing (a bad message is dropped where it is read).
+            # Consumers then get no answer and encode locally; the leases go back below.
+            logger.exception("EC CPU tier: the peer server stopped on an unexpected error")
         finally:
             self._stopped = True
             leases.release_all()

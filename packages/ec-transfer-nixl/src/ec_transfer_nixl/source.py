@@ -162,11 +162,11 @@ class NixlRemoteSource:
     # ------------------------------------------------------------ consumer
 
     def wants(self, request: Request, missing: Sequence[Wanted]) -> bool:
+        if self.fetcher is None or self._closed or not self.fetcher.running:
+            return False  # no fetches (any more): nothing to wait for, items encode here
         task = self._tasks.get(request.request_id)
         if task is not None:
             return not task.done
-        if self.fetcher is None or self._closed:
-            return False
         now = time.monotonic()
         waits = False  # on an item another request's fetch is bringing
         items: dict[str, ItemFetch] = {}
