@@ -13,12 +13,17 @@ import time
 from collections.abc import Callable
 
 DEFAULT_PERIOD_S = 60.0
+MAX_TAGS = 1024
+"""Tags remembered at most. A tag may name a peer, and peers can come from client
+input (a request's handle), so the oldest tags are forgotten past this many."""
 
 
 class RateLimitedWarnings:
     """`warn(tag, message, *args)` logs through `logger` at most once per `period_s` per tag.
 
-    `period_s=math.inf` logs each tag once for the object's lifetime.
+    `period_s=math.inf` logs each tag once for the object's lifetime. At most
+    `MAX_TAGS` tags are remembered (the oldest first forgotten, so one of those may
+    log again early): memory stays bounded however many distinct tags come.
     """
 
     def __init__(
@@ -45,5 +50,11 @@ class RateLimitedWarnings:
             message += " (and %d more like it since the previous warning)"
             args = (*args, held)
         self._logger.warning(message, *args)
-        self._last[tag] = now
+        logged = self._last
+        logged.pop(tag, None)  # re-inserted at the end: the dict stays oldest-logged first
+        logged[tag] = now
+        while len(logged) > MAX_TAGS:  # (a held count exists only for a remembered tag)
+            oldest = next(iter(logged))
+            del logged[oldest]
+            self._held.pop(oldest, None)
         return True
