@@ -212,6 +212,37 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     assert torch.equal(cache["img-h"], payload("img-h", 6))
 
 
+def test_finished_requests_leave_nothing_in_the_consumers_fetch_index(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Every fetched item was kept in the consumer's index of fetches in flight for
+    the engine's life: memory grew with every image ever fetched."""
+    producer, consumer, _ = _pair(make_engine, **PATIENT)
+    items = [Item(f"img-{i}", 3) for i in range(4)]
+    producer.save(*items)
+    source = consumer.scheduler.remote
+    assert source is not None
+    for i, item in enumerate(items):
+        request = make_request(f"r{i}", [item])
+        consumer.wait_available(request)
+        consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+        consumer.scheduler.request_finished(request)
+    assert source._fetching == {} and source._finished == []  # type: ignore[attr-defined]
+    # A request finished (aborted) while its fetch still runs: kept until it is done.
+    unreachable = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    source = unreachable.scheduler.remote
+    assert source is not None
+    aborted = make_request("aborted", [Item("img-x", 3)])
+    assert not unreachable.scheduler.ensure_cache_available(aborted, 0)
+    unreachable.scheduler.request_finished(aborted)
+    assert "img-x" in source._fetching  # type: ignore[attr-defined]
+    other = make_request("other", [Item("img-y", 3)])
+    unreachable.wait_available(other)  # steps go on
+    _wait_for(lambda: all(task.done for task in source._finished))  # type: ignore[attr-defined]
+    unreachable.scheduler.request_finished(other)
+    assert source._fetching == {} and source._finished == []  # type: ignore[attr-defined]
+
+
 def _fetcher(engine: Engine) -> Any:
     return engine.scheduler.remote.fetcher  # type: ignore[union-attr]
 

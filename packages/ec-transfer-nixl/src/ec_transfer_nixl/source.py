@@ -96,7 +96,11 @@ class NixlRemoteSource:
         self._context: zmq.Context[Any] = zmq.Context()
         self._tasks: dict[str, FetchTask] = {}
         self._fetching: dict[str, FetchTask] = {}
-        """Items being fetched, and the task fetching each (one task per item at a time)."""
+        """Items being fetched, and the task fetching each (one task per item at a time).
+        Invariant: every task in it belongs to a live request (`_tasks`) or waits in
+        `_finished`, so it holds only what is in flight or just done."""
+        self._finished: list[FetchTask] = []
+        """Tasks of finished requests whose items `_fetching` may still name."""
         self._negative: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._closed = False
         secret = self._secret = peers.secret.encode()
@@ -203,8 +207,23 @@ class NixlRemoteSource:
         return True
 
     def step_done(self) -> None:
+        if self._finished:
+            self._forget_finished()
         if self.fetcher is not None and not self._closed:
             self.fetcher.kick()
+
+    def _forget_finished(self) -> None:
+        """Drop the items of finished requests' tasks that are done from `_fetching`
+        (an aborted request's fetch may still run: it is kept until it is done)."""
+        still: list[FetchTask] = []
+        for task in self._finished:
+            if not task.done:
+                still.append(task)
+                continue
+            for key in task.items:
+                if self._fetching.get(key) is task:
+                    del self._fetching[key]
+        self._finished = still
 
     def _handle(self, request: Request) -> tuple[PeerAddress, HandleLease | None] | None:
         """The producer a request's handle names, and its pre-granted lease if it
@@ -278,7 +297,10 @@ class NixlRemoteSource:
     # ------------------------------------------------------------ producer
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
-        self._tasks.pop(request.request_id, None)
+        task = self._tasks.pop(request.request_id, None)
+        if task is not None:
+            self._finished.append(task)
+            self._forget_finished()
         if self.advertised is None:
             return None
         items: dict[str, list[int]] = {}
