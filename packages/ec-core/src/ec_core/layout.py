@@ -60,6 +60,14 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
     model_config = vllm_config.model_config
     if model_config is None:
         raise ValueError("the EC CPU tier needs a model_config")
+    if getattr(model_config, "is_encoder_decoder", False):
+        # vLLM's V1 runner encodes these outside the connector's step (no metadata
+        # bound: save_caches cannot work, loads are never asked for); V2 skips them.
+        raise ValueError(
+            f"the EC CPU tier does not support encoder-decoder models ({model_config.model}): "
+            "vLLM runs their encoder outside the EC connector's step, so their encoder "
+            "outputs can be neither saved to nor loaded from the region"
+        )
     dtype = model_config.dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")

@@ -44,6 +44,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUConnectorMetadata
+from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.sizes import format_bytes
 from ec_core.stats import ECCPUConnectorStats
 from ec_scheduler.scheduler import ECCPUScheduler
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from ec_core.worker_process.worker import ECCPUWorker
 
 logger = get_logger(__name__)
+_outside_step = RateLimitedWarnings(logger)
 
 
 class ECCPUTierConnector(ECConnectorBase):
@@ -151,8 +153,17 @@ class ECCPUTierConnector(ECConnectorBase):
 
     # ------------------------------------------------------ worker side
 
-    def _step_metadata(self) -> ECCPUConnectorMetadata:
-        meta = self._get_connector_metadata()
+    def _step_metadata(self) -> ECCPUConnectorMetadata | None:
+        """The metadata of the step vLLM runs; None, with a rate-limited warning, when
+        it calls outside a step (nothing bound): that call is skipped, never raised."""
+        meta = self._connector_metadata
+        if meta is None:
+            _outside_step.warn(
+                "unbound",
+                "EC CPU tier: vLLM called the connector outside an engine step (no "
+                "metadata bound): nothing is saved or loaded for that call",
+            )
+            return None
         if not isinstance(meta, ECCPUConnectorMetadata):
             raise TypeError(
                 f"{type(self).__name__} expected ECCPUConnectorMetadata, got {type(meta).__name__}"
@@ -165,12 +176,16 @@ class ECCPUTierConnector(ECConnectorBase):
             self._worker.bind(connector_metadata)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        self.worker.start_load_caches(encoder_cache, self._step_metadata())
+        meta = self._step_metadata()
+        if meta is not None:
+            self.worker.start_load_caches(encoder_cache, meta)
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        self.worker.save_caches(encoder_cache, mm_hash, self._step_metadata())
+        meta = self._step_metadata()
+        if meta is not None:
+            self.worker.save_caches(encoder_cache, mm_hash, meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.worker.get_finished()
