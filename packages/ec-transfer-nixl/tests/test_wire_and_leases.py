@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
@@ -356,3 +358,76 @@ def test_a_read_that_fails_in_nixl_reads_as_err_and_never_raises() -> None:
     agent = RegionAgent.__new__(RegionAgent)
     agent._agent = SimpleNamespace(check_xfer_state=check_xfer_state)  # type: ignore[attr-defined]
     assert agent.state(object()) == "ERR"
+
+
+def _serving(allocator_keys: tuple[str, ...] = ("a",)) -> tuple[Any, Any, BlockAllocator, Any]:
+    """A started producer's server over a real ROUTER socket, with a stand-in NIXL agent
+    (`agent.fail` makes its next `notifications` raise), and a DEALER connected to it."""
+    import socket as socketlib
+
+    with socketlib.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    allocator = BlockAllocator(16)
+    for key in allocator_keys:
+        allocator.alloc(key, 1, (1, COLS))
+        allocator.mark_ready(key)
+    local = LocalEntries(
+        allocator, threading.RLock(), allocator.unpin, lambda key: False, lambda r, c: r
+    )
+    agent = SimpleNamespace(name="producer", metadata=b"md", fail=False)
+
+    def notifications() -> dict[str, list[bytes]]:
+        if agent.fail:
+            raise RuntimeError("an unexpected error in the server thread")
+        return {}
+
+    agent.notifications = notifications
+    agent.close = lambda: None
+    context = zmq.Context()
+    server = PeerServer(
+        context=context,
+        listen=PeerAddress("127.0.0.1", port),
+        secret=SECRET,
+        fingerprint="fp",
+        local=local,
+        make_agent=lambda: agent,  # type: ignore[arg-type,return-value]
+        spans=lambda runs, nbytes: [(first * BLOCK, n * BLOCK) for first, n in runs],
+        itemsize=ITEMSIZE,
+        lease_s=30.0,
+        counters=PeerCounters(),
+    )
+    server.start()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 2000)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    return server, agent, allocator, dealer
+
+
+def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read_under() -> None:
+    """A consumer that got its Reply READs under the lease until it ends (it trusts
+    the bytes until then); the server thread ending on an unexpected error must not
+    hand those pins back early, else the entry is evicted and overwritten mid-READ."""
+    server, agent, allocator, dealer = _serving()
+    try:
+        lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
+        dealer.send(seal(lookup, SECRET))
+        reply = open_frame(dealer.recv(), SECRET)
+        assert isinstance(reply, Reply) and reply.results[0][1] == OK and reply.lease
+        assert allocator.num_held_entries == 1
+        agent.fail = True
+        deadline = time.monotonic() + 5
+        while not server._stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server._stopped, "the server thread stopped on the error"
+        time.sleep(0.2)
+        assert allocator.num_held_entries == 1, "the lease's 30 s are not over: still pinned"
+        lookup2 = Lookup(nonce=2, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
+        dealer.send(seal(lookup2, SECRET))
+        with pytest.raises(zmq.Again):  # a stopped server answers nothing
+            dealer.recv()
+    finally:
+        assert server.stop()
+        dealer.close(0)
+    assert not allocator.has_held_entries(), "stopping the server gives the pins back"

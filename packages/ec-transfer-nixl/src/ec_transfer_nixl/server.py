@@ -151,6 +151,7 @@ class PeerServer:
         self._ready.set()
         logger.info("EC CPU tier: serving entries to peers on %s", self._listen)
         leases = self.leases
+        failed = False
         try:
             while not self._stop.is_set():
                 # An unclaimed handle lease has no READ running: no need to poll fast.
@@ -161,13 +162,20 @@ class PeerServer:
                 leases.expire()
         except Exception:
             # A bug, not a peer's doing (a bad message is dropped where it is read).
-            # Consumers then get no answer and encode locally; the leases go back below.
+            # Consumers then get no answer and encode locally.
+            failed = True
             logger.exception("EC CPU tier: the peer server stopped on an unexpected error")
         finally:
             self._stopped = True
-            leases.release_all()
             socket.close(0)
             agent.close()
+            if failed:
+                # A consumer answered before the error may still READ under its lease,
+                # and trusts the bytes until the lease ends: its pins stay until then
+                # (or until the engine stops), else the entry could be overwritten mid-READ.
+                while len(leases) and not self._stop.wait(IDLE_POLL_MS / 1000):
+                    leases.expire()
+            leases.release_all()
 
     def _serve(self, socket: zmq.Socket[Any]) -> None:
         """Take every message queued, and answer all its lookups together: one
