@@ -431,3 +431,29 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
         assert server.stop()
         dealer.close(0)
     assert not allocator.has_held_entries(), "stopping the server gives the pins back"
+
+
+def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:
+    """Frames travel in clear over TCP: whoever captures a consumer's signed Lookup
+    must not get a lease, a pin and the addresses by sending it again (its `sent_at`
+    stays fresh for FRESH_S). The same frame is answered once."""
+    server, _, allocator, dealer = _serving()
+    try:
+        frame = seal(
+            Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)]),
+            SECRET,
+        )
+        dealer.send(frame)
+        reply = open_frame(dealer.recv(), SECRET)
+        assert isinstance(reply, Reply) and reply.lease and len(server.leases) == 1
+        dealer.send(frame)  # the same bytes again (a replay)
+        with pytest.raises(zmq.Again):  # no answer
+            dealer.recv()
+        assert len(server.leases) == 1 and allocator.get("a").pins == 1  # type: ignore[union-attr]
+        assert server.counters.requests_denied == 1
+        fresh = Lookup(nonce=2, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
+        dealer.send(seal(fresh, SECRET))
+        assert isinstance(open_frame(dealer.recv(), SECRET), Reply), "a new message is answered"
+    finally:
+        assert server.stop()
+        dealer.close(0)

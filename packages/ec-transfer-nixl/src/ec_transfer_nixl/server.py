@@ -32,6 +32,7 @@ from ec_transfer_nixl.wire import (
     SHAPE,
     Lookup,
     Release,
+    Replays,
     Reply,
     WireError,
     open_frame,
@@ -95,6 +96,7 @@ class PeerServer:
         (`time.thread_time`: not the waits for the GIL or for messages)."""
         self.lookups_answered = 0
         self._warnings = RateLimitedWarnings(logger)
+        self._replays = Replays()
         self._stop = threading.Event()
         self._stopped = False
         self._ready = threading.Event()
@@ -202,6 +204,10 @@ class PeerServer:
             except WireError as exc:
                 self.counters.requests_denied += 1
                 self._warnings.warn("denied", "EC CPU tier: dropped a peer message: %s", exc)
+                continue
+            if not self._replays.first(body, message, now):
+                self.counters.requests_denied += 1
+                self._warnings.warn("replay", "EC CPU tier: dropped a replayed peer message")
                 continue
             if isinstance(message, Lookup):
                 lookups.append((routing, message))

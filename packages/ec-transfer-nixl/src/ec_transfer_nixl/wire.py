@@ -161,6 +161,27 @@ def open_frame(frame: bytes, secret: bytes, now: float | None = None) -> Message
     return message
 
 
+class Replays:
+    """The macs of the authentic frames a receiver took while their `sent_at` is fresh:
+    a frame seen before is a replay (a signed frame travels in clear, and stays fresh
+    for FRESH_S). Holds one entry per authentic frame of the last 2 x FRESH_S at most."""
+
+    def __init__(self) -> None:
+        self._until: dict[bytes, float] = {}
+        self._sweep_at = 0.0
+
+    def first(self, frame: bytes, message: Message, now: float) -> bool:
+        """False if `frame` (already opened: `message`) was taken before."""
+        if now >= self._sweep_at:
+            self._until = {mac: until for mac, until in self._until.items() if until >= now}
+            self._sweep_at = now + FRESH_S / 4
+        mac = frame[-MAC_BYTES:]
+        if mac in self._until:
+            return False
+        self._until[mac] = message.sent_at + FRESH_S
+        return True
+
+
 def handle_signature(secret: bytes, fields: dict[str, Any]) -> str:
     """The HMAC (hex) that makes a handle's pre-granted lease unforgeable: over every
     field a consumer acts on (peer, fingerprint, lease, agent, items, spans, time)."""
