@@ -457,3 +457,19 @@ def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:
     finally:
         assert server.stop()
         dealer.close(0)
+
+
+def test_a_release_meant_for_one_producer_does_not_release_another_producers_lease() -> None:
+    """Every engine shares the secret, so a signed Release is valid at every producer
+    (a capture replayed to another one, a peer address that now reaches another
+    engine, a restarted producer). Lease ids must not be the same small numbers at
+    every producer, or it releases that producer's lease of the same key while its
+    own consumer still READs under it."""
+    one, _ = _producer("a")
+    two, allocator_two = _producer("a")
+    (first,) = one._answer_all([Lookup(1, 1000.0, "fp", [("a", 1, COLS)])])
+    (second,) = two._answer_all([Lookup(1, 1000.0, "fp", [("a", 1, COLS)])])
+    assert first.lease and second.lease
+    two._give_back([Release(2, 1000.0, first.lease, ["a"], read=True)])
+    assert allocator_two.get("a").pins == 1, "producer two's consumer still reads a"  # type: ignore[union-attr]
+    assert first.lease < 2**53 and second.lease < 2**53, "exact in a handle's JSON"

@@ -15,6 +15,7 @@ locks are never taken in the opposite order from the scheduler thread's.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -34,7 +35,10 @@ class Leases:
         self._held: dict[int, tuple[float, dict[str, int]]] = {}
         self._claimable: dict[int, dict[str, Spans]] = {}
         """Handle leases not claimed yet: the spans of each key."""
-        self._ids = itertools.count(1)
+        # Not 1, 2, 3... at every producer: the secret is shared, so a signed Release
+        # or claim meant for one producer (or an earlier run of this one) would name a
+        # live lease here. Random start, below 2**53 so a handle's JSON keeps it exact.
+        self._ids = itertools.count(secrets.randbelow(2**52) + 1)
         self.active = 0
         """Leases that a consumer is reading (or may read) under: granted by a lookup,
         or claimed. An unclaimed handle lease is not active."""
