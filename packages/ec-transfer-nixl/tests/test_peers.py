@@ -402,13 +402,23 @@ def test_an_incompatible_peer_is_not_read(
 
 
 def test_an_unreachable_peer_fails_fast_and_is_left_alone(
-    make_engine: Callable[..., Engine],
+    make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
 ) -> None:
-    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    """Fast: given up at the lookup deadline (the default 1 s), not the fetch deadline,
+    which is set far past `wait_available`'s WAIT_S bound so waiting for it would fail
+    the test (no wall-clock threshold of its own). Left alone: marked down, said once."""
+    address = f"127.0.0.1:{_free_port()}"
+    consumer = make_engine(
+        "ec_consumer",
+        ec_peers=[address],
+        ec_peer_fetch_timeout_s=10 * WAIT_S,
+        ec_peer_lease_s=20 * WAIT_S,
+    )
     request = make_request("r", [Item("img-u", 4)])
-    waited = consumer.wait_available(request)
-    assert waited < WAIT_S
+    consumer.wait_available(request)
     assert _fallbacks(consumer) == {"unreachable": 1}
+    down = [r.getMessage() for r in ec_log.records if "is not asked for" in r.getMessage()]
+    assert len(down) == 1 and address in down[0], "the silent peer is marked down"
     meta = StepDriver(consumer.scheduler).step([request]).meta
     assert meta.loads == {}
     assert not consumer.scheduler.allocator.has_held_entries()
