@@ -4,6 +4,7 @@ fit, a kill in the middle of the work, two engines on one host."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -12,9 +13,9 @@ from typing import Any
 import pytest
 
 from ectools.engine import (
-    SUBPROCESS_TIMEOUT,
     TEST_PASSES,
     connector_spec,
+    finish,
     kill_at,
     launch,
     region_files,
@@ -100,8 +101,8 @@ def test_a_region_larger_than_its_directory_stops_the_engine_clearly(
 ) -> None:
     spec = connector_spec(model_dir, tmp_path, multiprocess=False)
     spec.extra["ec_cpu_bytes"] = "64TiB"
-    proc = launch(spec, stderr=subprocess.PIPE)
-    out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    proc = launch(spec, stderr=subprocess.PIPE, start_new_session=True)
+    out, err = finish(proc)
     assert proc.returncode != 0
     assert proc.returncode != -signal.SIGBUS
     output = out + err
@@ -129,10 +130,16 @@ def test_two_engines_on_one_host_get_distinct_regions(
 ) -> None:
     """Both start together over one directory; each has its own file and hits."""
     spec = connector_spec(model_dir, tmp_path, multiprocess=False, passes=TEST_PASSES * 2)
-    procs = [launch(spec, stderr=subprocess.DEVNULL) for _ in range(2)]
+    procs = [launch(spec, stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [finish(proc)[0] for proc in procs]  # both waited for before any assertion
+    finally:
+        for proc in procs:  # the other engine, where one did not end in time
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     results: list[dict[str, Any]] = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0
         results.append(json.loads(out.splitlines()[-1][len("RESULT ") :]))
     paths = [r["counters"]["region_path"] for r in results]

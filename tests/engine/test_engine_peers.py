@@ -24,6 +24,7 @@ from ectools.engine import (
     EngineSpec,
     connector_spec,
     corrupt_regions,
+    finish,
     launch,
     region_files,
     run_in_subprocess,
@@ -169,13 +170,13 @@ def test_a_producer_killed_before_or_during_the_fetches(
         passes=[TEST_PASSES[0], TEST_PASSES[0]],
     )
     with serving(replace(spec, extra={**spec.extra})) as (proc, _):
-        running = launch(consumer, stderr=subprocess.DEVNULL)
+        running = launch(consumer, stderr=subprocess.DEVNULL, start_new_session=True)
         assert running.stdout is not None
         for line in running.stdout:
             if line.startswith("RUNNING 0"):
                 os.killpg(proc.pid, signal.SIGKILL)  # mid-fetch: it is asking and reading now
                 break
-        out, _ = running.communicate(timeout=900)
+        out, _ = finish(running)
     assert running.returncode == 0
     result = json.loads(out.splitlines()[-1][len("RESULT ") :])
     assert result["passes"] == [baseline[0], baseline[0]]

@@ -262,7 +262,9 @@ def engine_env() -> dict[str, str]:
 
 
 def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
-    """Start `python -m ectools.engine SPEC` (stdout piped, text mode)."""
+    """Start `python -m ectools.engine SPEC` (stdout piped, text mode); with
+    `start_new_session=True` in a process group of its own, which `finish` and
+    `_kill_group` stop with every process the engine started."""
     return subprocess.Popen(
         [sys.executable, "-m", "ectools.engine", spec_json(spec)],
         stdout=subprocess.PIPE,
@@ -271,6 +273,20 @@ def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
         cwd=ROOT,
         **popen,
     )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float | None = None) -> tuple[str, str]:
+    """`proc.communicate(timeout)`, but an engine that does not end in time (or a wait
+    cut short by any exception) is SIGKILLed with its whole process group (`proc`
+    must be launched with `start_new_session=True`) before the exception goes on:
+    `communicate` alone leaves it running, and a hung engine (and its EngineCore
+    child) would load the CPUs and hold its region for the later tests."""
+    try:
+        out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT if timeout is None else timeout)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return out, err or ""
 
 
 def _start_until(
@@ -369,8 +385,8 @@ def run_in_subprocess(spec: EngineSpec) -> dict[str, Any]:
 
     Raises AssertionError with the output's tail when the engine fails.
     """
-    proc = launch(spec, stderr=subprocess.PIPE)
-    out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    proc = launch(spec, stderr=subprocess.PIPE, start_new_session=True)
+    out, err = finish(proc)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(
