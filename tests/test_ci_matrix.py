@@ -57,3 +57,18 @@ def test_only_the_cpu_environment_runs_the_cpu_recipes() -> None:
             commands = config.get("post-install-commands")
             assert commands is not None, f"{env} inherits the CPU recipes"
             assert not cpu_recipes & set(commands), env
+
+
+def test_the_tools_that_judge_the_code_and_hatch_are_pinned() -> None:
+    """A new ruff rule, format style or mypy check would fail unchanged code."""
+    tools = {"pytest", "hypothesis", "mypy", "ruff", "hatchling"}
+    envs = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
+    for env, config in envs.items():
+        for dependency in config.get("dependencies", []):
+            name = re.split(r"[<>=!~\[ ;]", dependency, maxsplit=1)[0].lower()
+            if name in tools:
+                assert re.fullmatch(rf"{name}==[\w.]+", dependency), f"{env}: {dependency}"
+    assert re.search(r'"hatch==[\d.]+"', (ROOT / ".ci/run").read_text())
+    for leg in _legs().values():
+        if "pip install" in str(leg["command"]):
+            assert re.search(r"hatch==[\d.]+", str(leg["command"])), leg["device"]
