@@ -233,6 +233,7 @@ def main() -> None:
         "--plot", type=Path, help="write an SVG of the with-tier server's metrics over the run"
     )
     args = parser.parse_args()
+    serving.exit_on_termination()  # so that `finally` stops the servers
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     work = Path(tempfile.mkdtemp(prefix="ec-bench-serve-"))

@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=8, help="distinct images (default 8)")
     parser.add_argument("--model-dir", default=str(ROOT / "build" / "demo" / HEAVY_VISION.tag()))
     args = parser.parse_args()
+    serving.exit_on_termination()  # so that `finally` stops the servers
     from openai import OpenAI
 
     work = Path(tempfile.mkdtemp(prefix="ec-demo-epd-"))

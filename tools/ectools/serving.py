@@ -13,6 +13,7 @@ Runs in the test/demo process; each server is its own process group.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -139,17 +140,41 @@ def wait_healthy(
         time.sleep(1)
 
 
+def exit_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise SystemExit in the main thread.
+
+    Each server runs in a session of its own (`start_server`), so neither a
+    terminal's signals nor a `kill` of the caller's process group reach it: only
+    the caller's `finally: stop(...)` does. Python's default SIGTERM/SIGHUP ends
+    the caller without running it, and left the servers running (with their
+    engine cores, memory and regions) after a CI timeout or a closed terminal.
+    """
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, leave)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+
+
 def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each server's process group, SIGKILL what is left after 60 s."""
+    """SIGTERM each server's process group, SIGKILL what is left of it after 60 s.
+
+    The group is signalled even when its leader (the API server) has already
+    exited: its engine core, in the same group, may not have.
+    """
     for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM)
     for proc in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait(30)
 
 
 def image_url(image: Any) -> str:

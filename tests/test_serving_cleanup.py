@@ -1,0 +1,78 @@
+"""Servers started by `ectools.serving` do not outlive the demo or benchmark that
+started them (no engine: stand-in processes in sessions of their own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ectools import serving
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """No such process, or only its zombie (its parent has not reaped it yet)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_stop_ends_the_group_of_a_server_whose_leader_already_exited() -> None:
+    # The leader (the API server) exits and leaves a child (its engine core) behind.
+    leader = subprocess.Popen(
+        ["bash", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert leader.stdout is not None
+    with leader.stdout:
+        child = int(leader.stdout.readline())
+    leader.wait(10)
+    try:
+        serving.stop([leader])
+        assert _gone(child)
+    finally:
+        if not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)
+
+
+SCRIPT = """
+import subprocess, sys, time
+from ectools import serving
+serving.exit_on_termination()
+procs = []
+try:
+    procs.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+    print(procs[0].pid, flush=True)
+    time.sleep(60)
+finally:
+    serving.stop(procs)
+"""
+
+
+def test_a_terminated_caller_still_stops_its_servers() -> None:
+    env = {**os.environ, "PYTHONPATH": str(TOOLS)}
+    caller = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, env=env, text=True
+    )
+    assert caller.stdout is not None
+    with caller.stdout:
+        server = int(caller.stdout.readline())
+    try:
+        caller.send_signal(signal.SIGTERM)
+        assert caller.wait(30) == 128 + signal.SIGTERM
+        assert _gone(server)
+    finally:
+        if not _gone(server, 0):
+            os.kill(server, signal.SIGKILL)
