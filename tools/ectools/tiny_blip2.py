@@ -146,15 +146,24 @@ def write_config_only(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBli
 
 
 def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip2()) -> Path:
-    """Build weights, tokenizer and processor into `out_dir` (idempotent)."""
+    """Build weights, tokenizer and processor into `out_dir` (idempotent).
+
+    The folder holds a `.building` marker from the first file written to the last,
+    so a build cut short (Ctrl-C or a kill while the weights, the tokenizer or the
+    processor were being written) is done again by the next call instead of being
+    taken as finished: the demos keep their model under `build/` across runs.
+    """
     out = Path(out_dir)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    building = out / ".building"
+    finished = (out / "config.json").exists() and (out / "model.safetensors").exists()
+    if finished and not building.exists():
         return out
     import torch
     from transformers import Blip2ForConditionalGeneration, Blip2Processor
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
     out.mkdir(parents=True, exist_ok=True)
+    building.touch()
     torch.manual_seed(spec.seed)
     tokenizer = _train_tokenizer(spec.vocab_size)
     special = {
@@ -182,4 +191,5 @@ def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip
     )
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
+    building.unlink()
     return out
