@@ -65,7 +65,10 @@ class Proxy:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, answer = proxy.forward(self.path, body)
+                try:
+                    status, answer = proxy.forward(self.path, body)
+                except Exception as exc:  # an upstream unreachable or not answering JSON
+                    status, answer = 502, {"error": {"message": f"EPD proxy: {exc!r}"}}
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -172,8 +175,12 @@ def main() -> None:
             proxy = Proxy(encoder_url, prefill_url)
             images = make_images(args.images + FLUSH, HEAVY_VISION.image_size, seed=4000)
             proxied, flush = images[: args.images], images[args.images :]
-            via_proxy = OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="-")
-            direct = OpenAI(base_url=f"{prefill_url}/v1", api_key="-")
+            # No retries: a failure shows, rather than re-running both stages silently
+            # inside a timed request.
+            via_proxy = OpenAI(
+                base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="-", max_retries=0
+            )
+            direct = OpenAI(base_url=f"{prefill_url}/v1", api_key="-", max_retries=0)
             ticker.say(f"{args.images} images straight to the prefill instance (it encodes)")
             alone = [ask(direct, model_dir, image, MAX_TOKENS) for image in proxied]
             for image in flush:  # so vLLM's own encoder cache no longer holds them
