@@ -97,6 +97,9 @@ class FakeAgent:
     metadata: bytes = b"md"
     reads: list[FakeRead] = field(default_factory=list)
     refuse_cancel: bool = False
+    refuse_release_after_error: bool = False
+    """NIXL keeps a READ that failed (it may still write): `release` refuses it."""
+    forgotten: list[str] = field(default_factory=list)
     source: dict[int, int] = field(default_factory=dict)
     """Per local block, the remote address the latest READ into it read it from."""
 
@@ -105,7 +108,7 @@ class FakeAgent:
         return agent
 
     def forget(self, agent: str) -> None:
-        return None
+        self.forgotten.append(agent)
 
     def read(self, peer: str, pieces: Any, notify: bytes = b"") -> FakeRead:
         assert notify == b"", "a notification would make the READ wait for the producer"
@@ -122,6 +125,8 @@ class FakeAgent:
         return handle.state
 
     def release(self, handle: FakeRead) -> bool:
+        if handle.state == "ERR" and self.refuse_release_after_error:
+            return False
         if handle.state == "PROC":
             if self.refuse_cancel:
                 return False
@@ -841,3 +846,45 @@ def test_the_links_to_peers_stay_bounded_whatever_peers_handles_name() -> None:
     fetcher._tick(_now[0])
     assert later.items["later"].asked, "the lookup of a later fetch went out"
     assert len(fetcher._links) <= LINKS_MAX + 1
+
+
+def test_a_failed_read_nixl_still_holds_keeps_its_blocks_until_nixl_lets_go() -> None:
+    """NIXL says a READ failed but will not release it: it may still write the
+    reserved blocks, so they stay reserved (quarantined) while its item fails."""
+    machine = FetchMachine()
+    fetcher, allocator, peer = machine.fetcher, machine.allocator, PEERS[0]
+    task = _task("r0", KEYS[0])
+    fetcher._begin(task)
+    fetcher._tick(_now[0])
+    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    fetcher._apply(fetcher._links[peer], reply)
+    (read,) = machine.agent.running()
+    machine.agent.refuse_release_after_error = True
+    read.state = "ERR"
+    fetcher._tick(_now[0])
+    assert task.items[KEYS[0]].outcome == "read_error"
+    assert fetcher.quarantined == 1
+    entry = allocator.get(KEYS[0])
+    assert entry is not None and not entry.ready, "its blocks stay reserved"
+    machine.agent.refuse_release_after_error = False
+    fetcher._tick(_now[0])
+    assert fetcher.quarantined == 0 and allocator.get(KEYS[0]) is None
+
+
+def test_an_agent_two_links_share_is_forgotten_only_with_the_last() -> None:
+    """One producer reached under two addresses has one NIXL agent: dropping the
+    idle link must not forget the agent the other link still reads from."""
+    machine = FetchMachine()
+    fetcher = machine.fetcher
+    busy, idle = PEERS[0], PeerAddress("10.255.0.2", 7)
+    fetcher._links[busy].agent = "producer"
+    fetcher._links[idle] = _Link(FakeSocket(), agent="producer")  # type: ignore[arg-type]
+    fetcher._tasks.append(_task("r0", KEYS[0]))  # its candidates include `busy`
+    assert busy in fetcher._tasks[0].candidates and idle not in fetcher._tasks[0].candidates
+    fetcher._drop_idle_links()
+    assert idle not in fetcher._links and busy in fetcher._links
+    assert machine.agent.forgotten == []
+    fetcher._tasks.clear()
+    fetcher._drop_idle_links()
+    assert machine.agent.forgotten == ["producer"]

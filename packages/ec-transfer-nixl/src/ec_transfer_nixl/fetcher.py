@@ -434,12 +434,17 @@ class Fetcher:
             busy.update(task.candidates)
             if task.handle is not None:
                 busy.add(task.handle.peer)
+        dropped: set[str] = set()
         for peer in [peer for peer in self._links if peer not in busy]:
             link = self._links.pop(peer)
             if link.socket is not None:
                 link.socket.close(0)
             if link.agent:
-                self.agent.forget(link.agent)
+                dropped.add(link.agent)
+        # A producer reached under two addresses (a handle's and an `ec_peers` entry)
+        # has one agent for both links: it is forgotten only with its last link.
+        for agent in dropped - {link.agent for link in self._links.values()}:
+            self.agent.forget(agent)
         self._poller = None
 
     def _begin(self, task: FetchTask) -> None:
@@ -875,8 +880,12 @@ class Fetcher:
         state = self.agent.state(group.handle)
         if state == "PROC":
             return
+        if not self.agent.release(group.handle) and state != "DONE":
+            # Failed, yet NIXL keeps the transfer: it may still write the blocks, so
+            # they stay reserved (quarantined) until NIXL lets go; its items fail now.
+            self._give_up(group, cause="read_error")
+            return
         self._reads.remove(group)
-        self.agent.release(group.handle)
         if not group.answered:  # over before its claim's answer: wait for it
             group.ended, group.ended_at = state, self._clock()
             self._awaiting.append(group)
@@ -955,16 +964,17 @@ class Fetcher:
         cause = next((c for c in CAUSE_ORDER if c in causes), None)
         self._finish(item, cause or "unreachable")
 
-    def _give_up(self, group: ReadGroup) -> None:
+    def _give_up(self, group: ReadGroup, cause: str | None = None) -> None:
         """A READ past its deadline (or a handle READ whose claim got no answer in
-        time): its items fail; its blocks are freed only once NIXL lets go of it
-        (else quarantined)."""
+        time, or one that failed with `cause`): its items fail; its blocks are freed
+        only once NIXL lets go of it (else quarantined)."""
         self._reads.remove(group)
-        cause = "timeout"
         if not group.answered:
-            cause = "unreachable"
-            self._peer_down(group.peer, "no answer to a claim in time")
             self._forget_claim(group)
+            if cause is None:
+                cause = "unreachable"
+                self._peer_down(group.peer, "no answer to a claim in time")
+        cause = cause or "timeout"
         for item in group.items:
             item.reading = None
             if item.outcome is None:
