@@ -233,9 +233,10 @@ def test_finished_requests_leave_nothing_in_the_consumers_fetch_index(
     source = unreachable.scheduler.remote
     assert source is not None
     aborted = make_request("aborted", [Item("img-x", 3)])
-    assert not unreachable.scheduler.ensure_cache_available(aborted, 0)
-    unreachable.scheduler.request_finished(aborted)
-    assert "img-x" in source._fetching  # type: ignore[attr-defined]
+    with _between_passes(_fetcher(unreachable)):  # its fetch cannot end meanwhile
+        assert not unreachable.scheduler.ensure_cache_available(aborted, 0)
+        unreachable.scheduler.request_finished(aborted)
+        assert "img-x" in source._fetching  # type: ignore[attr-defined]
     other = make_request("other", [Item("img-y", 3)])
     unreachable.wait_available(other)  # steps go on
     _wait_for(lambda: all(task.done for task in source._finished))  # type: ignore[attr-defined]
