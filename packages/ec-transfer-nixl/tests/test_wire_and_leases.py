@@ -473,3 +473,24 @@ def test_a_release_meant_for_one_producer_does_not_release_another_producers_lea
     two._give_back([Release(2, 1000.0, first.lease, ["a"], read=True)])
     assert allocator_two.get("a").pins == 1, "producer two's consumer still reads a"  # type: ignore[union-attr]
     assert first.lease < 2**53 and second.lease < 2**53, "exact in a handle's JSON"
+
+
+def test_replays_are_refused_while_fresh_and_forgotten_after() -> None:
+    from ec_transfer_nixl.wire import FRESH_S, Replays
+
+    replays = Replays()
+    frames = [
+        (seal(Lookup(i, 1000.0 + i, "fp", [("a", 1, COLS)]), SECRET), 1000.0 + i) for i in range(3)
+    ]
+    for frame, sent_at in frames:
+        message = open_frame(frame, SECRET, sent_at)
+        assert replays.first(frame, message, sent_at)
+        assert not replays.first(frame, message, sent_at), "the same frame again: a replay"
+    frame, sent_at = frames[0]
+    message = open_frame(frame, SECRET, sent_at)
+    assert not replays.first(frame, message, sent_at + FRESH_S), "still fresh: refused"
+    assert len(replays) == 3
+    later = 1002.0 + FRESH_S + 1  # every frame is stale now: all are forgotten
+    fresh = seal(Lookup(9, later, "fp", [("a", 1, COLS)]), SECRET)
+    assert replays.first(fresh, open_frame(fresh, SECRET, later), later)
+    assert len(replays) == 1

@@ -32,6 +32,7 @@ sends it a `Release.more` it would not act on.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -164,21 +165,32 @@ def open_frame(frame: bytes, secret: bytes, now: float | None = None) -> Message
 class Replays:
     """The macs of the authentic frames a receiver took while their `sent_at` is fresh:
     a frame seen before is a replay (a signed frame travels in clear, and stays fresh
-    for FRESH_S). Holds one entry per authentic frame of the last 2 x FRESH_S at most."""
+    for FRESH_S).
+
+    A mac is forgotten only once its frame is no longer fresh, so a replay is always
+    refused. Forgetting is amortised O(1) per frame, in arrival order (no periodic
+    sweep); a frame stays at most until the frames taken before it have gone, so
+    memory holds the authentic frames of the last 3 x FRESH_S at most.
+    """
 
     def __init__(self) -> None:
         self._until: dict[bytes, float] = {}
-        self._sweep_at = 0.0
+        self._order: collections.deque[tuple[float, bytes]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._until)
 
     def first(self, frame: bytes, message: Message, now: float) -> bool:
         """False if `frame` (already opened: `message`) was taken before."""
-        if now >= self._sweep_at:
-            self._until = {mac: until for mac, until in self._until.items() if until >= now}
-            self._sweep_at = now + FRESH_S / 4
+        order, until = self._order, self._until
+        while order and order[0][0] < now:
+            del until[order.popleft()[1]]
         mac = frame[-MAC_BYTES:]
-        if mac in self._until:
+        if mac in until:
             return False
-        self._until[mac] = message.sent_at + FRESH_S
+        fresh_until = message.sent_at + FRESH_S
+        until[mac] = fresh_until
+        order.append((fresh_until, mac))
         return True
 
 
