@@ -153,29 +153,35 @@ def _a_read_runs(machine: FetchMachine) -> bool:
     return bool(machine.agent.running())
 
 
+def _fetcher_over(context: Any) -> tuple[Fetcher, BlockAllocator, LocalEntries]:
+    """A fetcher (thread not started, a FakeAgent as its agent, the test clock) over a
+    small allocator of its own (6 blocks: reservations can fail)."""
+    allocator = BlockAllocator(6)
+    local = LocalEntries(
+        allocator, threading.RLock(), allocator.unpin, lambda key: False, lambda r, c: r
+    )
+    fetcher = Fetcher(
+        context=context,
+        secret=SECRET,
+        fingerprint="fp",
+        local=local,
+        make_agent=FakeAgent,  # type: ignore[arg-type]
+        spans=lambda runs, nbytes: [(first * BLOCK, count * BLOCK) for first, count in runs],
+        itemsize=ITEMSIZE,
+        counters=PeerCounters(),
+        on_failed=lambda key, cause: None,
+        clock=lambda: _now[0],
+    )
+    fetcher.agent = FakeAgent()  # type: ignore[assignment]
+    return fetcher, allocator, local
+
+
 class FetchMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         _now[0] = 1000.0
-        self.allocator = BlockAllocator(6)  # small: reservations can fail
-        lock = threading.RLock()
-        self.local = LocalEntries(
-            self.allocator, lock, self.allocator.unpin, lambda key: False, lambda r, c: r
-        )
-        self.fetcher = Fetcher(
-            context=None,  # type: ignore[arg-type]
-            secret=SECRET,
-            fingerprint="fp",
-            local=self.local,
-            make_agent=FakeAgent,  # type: ignore[arg-type]
-            spans=lambda runs, nbytes: [(first * BLOCK, count * BLOCK) for first, count in runs],
-            itemsize=ITEMSIZE,
-            counters=PeerCounters(),
-            on_failed=lambda key, cause: None,
-            clock=lambda: _now[0],
-        )
-        self.agent = FakeAgent()
-        self.fetcher.agent = self.agent  # type: ignore[assignment]
+        self.fetcher, self.allocator, self.local = _fetcher_over(None)
+        self.agent: FakeAgent = self.fetcher.agent  # type: ignore[assignment]
         self.sockets = {peer: FakeSocket() for peer in PEERS}
         for peer, sock in self.sockets.items():
             self.fetcher._links[peer] = _Link(sock)  # type: ignore[arg-type]
@@ -758,27 +764,6 @@ def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease(
     assert task.items[KEYS[0]].outcome != "landed"
 
 
-def _fetcher_over(context: Any) -> Fetcher:
-    allocator = BlockAllocator(6)
-    local = LocalEntries(
-        allocator, threading.RLock(), allocator.unpin, lambda k: False, lambda r, c: r
-    )
-    fetcher = Fetcher(
-        context=context,
-        secret=SECRET,
-        fingerprint="fp",
-        local=local,
-        make_agent=FakeAgent,  # type: ignore[arg-type]
-        spans=lambda runs, nbytes: [(first * BLOCK, count * BLOCK) for first, count in runs],
-        itemsize=ITEMSIZE,
-        counters=PeerCounters(),
-        on_failed=lambda key, cause: None,
-        clock=lambda: _now[0],
-    )
-    fetcher.agent = FakeAgent()  # type: ignore[assignment]
-    return fetcher
-
-
 def _task_at(request_id: str, peer: PeerAddress) -> FetchTask:
     return FetchTask(
         request_id=request_id,
@@ -798,7 +783,7 @@ def test_a_peer_address_zeromq_refuses_fails_its_items_and_the_fetcher_goes_on()
 
     context = zmq.Context()
     try:
-        fetcher = _fetcher_over(context)
+        fetcher = _fetcher_over(context)[0]
         task = _task_at("r0", PeerAddress.parse("ec_transfer_params.peer", "-:5"))
         fetcher._begin(task)
         fetcher._tick(_now[0])
@@ -833,7 +818,7 @@ def test_the_links_to_peers_stay_bounded_whatever_peers_handles_name() -> None:
             sock.close = close  # type: ignore[method-assign]
             return sock
 
-    fetcher = _fetcher_over(Context())
+    fetcher = _fetcher_over(Context())[0]
     for i in range(1100):
         task = _task_at(f"r{i}", PeerAddress("10.255.0.1", 1000 + i))
         fetcher._begin(task)

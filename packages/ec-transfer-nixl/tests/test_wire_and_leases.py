@@ -266,8 +266,8 @@ def test_several_handle_leases_are_claimed_and_given_back_together() -> None:
 BLOCK, ITEMSIZE, COLS = 64, 4, 16  # one row = one block
 
 
-def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
-    """A producer's server (not started) over an allocator holding `keys` ready, one row each."""
+def _ready_entries(keys: tuple[str, ...]) -> tuple[BlockAllocator, LocalEntries]:
+    """An allocator holding `keys` ready, one row each, and the producer's view of it."""
     allocator = BlockAllocator(16)
     for key in keys:
         allocator.alloc(key, 1, (1, COLS))
@@ -275,6 +275,12 @@ def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
     local = LocalEntries(
         allocator, threading.RLock(), allocator.unpin, lambda key: False, lambda r, c: r
     )
+    return allocator, local
+
+
+def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
+    """A producer's server (not started) over an allocator holding `keys` ready, one row each."""
+    allocator, local = _ready_entries(keys)
     server = PeerServer(
         context=None,  # type: ignore[arg-type]
         listen=PeerAddress("127.0.0.1", 1),
@@ -368,13 +374,7 @@ def _serving(allocator_keys: tuple[str, ...] = ("a",)) -> tuple[Any, Any, BlockA
     with socketlib.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    allocator = BlockAllocator(16)
-    for key in allocator_keys:
-        allocator.alloc(key, 1, (1, COLS))
-        allocator.mark_ready(key)
-    local = LocalEntries(
-        allocator, threading.RLock(), allocator.unpin, lambda key: False, lambda r, c: r
-    )
+    allocator, local = _ready_entries(allocator_keys)
     agent = SimpleNamespace(name="producer", metadata=b"md", fail=False)
 
     def notifications() -> dict[str, list[bytes]]:
