@@ -293,14 +293,21 @@ def _start_until(
     spec: EngineSpec, line_prefix: str, log: Any = subprocess.DEVNULL
 ) -> tuple[subprocess.Popen[str], str]:
     """Start an engine in its own process group; return once it printed a line
-    starting with `line_prefix` (and that line)."""
+    starting with `line_prefix` (and that line). With a `log` file, its stderr and
+    the stdout lines before that one are written there."""
     proc = launch(spec, stderr=log, start_new_session=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(line_prefix):
             return proc, line
+        if log is not subprocess.DEVNULL:  # vLLM logs to stdout: kept with stderr
+            log.write(line)
     rc = proc.wait()
-    raise AssertionError(f"engine exited (rc {rc}) before {line_prefix!r}")
+    tail = ""
+    if log is not subprocess.DEVNULL:
+        log.seek(0)
+        tail = f"; the end of its log:\n{log.read()[-6000:]}"
+    raise AssertionError(f"engine exited (rc {rc}) before {line_prefix!r}{tail}")
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -316,16 +323,26 @@ def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
     starting with `line_prefix`, and return the region files it had mapped.
 
     Returns only after every process of the group has let go of them, so the
-    files listed are exactly what a killed engine leaves behind.
+    files listed are exactly what a killed engine leaves behind. An engine that
+    had mapped no region file by then (it ran without its tier, or never got
+    there) raises AssertionError with the end of its log: every caller kills an
+    engine to look at the region it leaves.
     """
     directory = spec.extra.get("ec_cpu_dir")
     if directory is None:
         raise ValueError("kill_at needs a spec with its own ec_cpu_dir")
-    proc, _ = _start_until(spec, line_prefix)
-    try:
-        mapped = region_files(directory)
-    finally:
-        _kill_group(proc)
+    with tempfile.TemporaryFile("a+") as log:  # appends: shared with the engine
+        proc, _ = _start_until(spec, line_prefix, log)
+        try:
+            mapped = region_files(directory)
+        finally:
+            _kill_group(proc)
+        if not mapped:
+            log.seek(0)
+            raise AssertionError(
+                f"no region file in {directory} when the engine printed {line_prefix!r}; "
+                f"the end of its log:\n{log.read()[-6000:]}"
+            )
     for path in mapped:
         _wait_until_unlocked(path)
     return mapped
@@ -339,7 +356,7 @@ def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str,
     process group on exit and waits until its region files are let go.
     """
     held = replace(spec, hold_after_pass=len(spec.passes) - 1)
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryFile("a+") as log:  # appends: shared with the engine
         proc, line = _start_until(held, "READY", log)
         try:
             yield proc, json.loads(line[len("READY ") :])
