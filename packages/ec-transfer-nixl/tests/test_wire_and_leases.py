@@ -151,6 +151,8 @@ def test_leases_release_on_give_back_or_expiry_and_only_once() -> None:
     assert len(leases) == 1
     leases.release_all()
     assert released == ["a", "b", "c"] and len(leases) == 0 and second
+    assert leases.grant({"d": 8}, 10) == 0, "nothing is granted after release_all"
+    assert released == ["a", "b", "c", "d"] and len(leases) == 0, "its pin went at once"
 
 
 def test_a_handle_lease_is_claimed_once_and_only_while_it_lasts() -> None:
@@ -431,6 +433,29 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
         assert server.stop()
         dealer.close(0)
     assert not allocator.has_held_entries(), "stopping the server gives the pins back"
+
+
+def test_a_handle_granted_while_the_server_stops_pins_nothing() -> None:
+    """`grant_handle` runs on the scheduler thread: the server may stop (and release
+    every lease) between its check and the lease being recorded. Nothing would expire
+    a lease recorded after that, so its pins must go at once and no handle is made."""
+    server, _, allocator, dealer = _serving()
+    take_pins = server._local.lease_many
+
+    def pins_then_server_stops(items: Any) -> Any:
+        out = take_pins(items)
+        assert allocator.num_held_entries == 1
+        assert server.stop()  # its thread ends with release_all
+        return out
+
+    server._local.lease_many = pins_then_server_stops
+    try:
+        assert server.grant_handle({"a": (1, COLS)}) == (0, {})
+        assert not allocator.has_held_entries(), "the pin taken for the handle went at once"
+        assert len(server.leases) == 0
+    finally:
+        server.stop()
+        dealer.close(0)
 
 
 def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:

@@ -42,6 +42,8 @@ class Leases:
         self.active = 0
         """Leases that a consumer is reading (or may read) under: granted by a lookup,
         or claimed. An unclaimed handle lease is not active."""
+        self._closed = False
+        """Set by `release_all`: no lease is recorded after it (nothing would expire it)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -57,17 +59,25 @@ class Leases:
     ) -> int:
         """Record pins already taken for `items` (key -> bytes); the lease id (0 if none).
 
-        With `claimable` (key -> spans), a handle's lease: claimable once."""
+        With `claimable` (key -> spans), a handle's lease: claimable once. After
+        `release_all` the pins are released at once and no lease is granted (0): a
+        handle granted on the scheduler thread while the server stops must not pin
+        its keys forever."""
         held = dict(items)
         if not held:
             return 0
         with self._lock:
-            lease = next(self._ids)
-            self._held[lease] = (self._clock() + lease_s, held)
-            if claimable is None:
-                self.active += 1
-            else:
-                self._claimable[lease] = claimable
+            closed = self._closed
+            if not closed:
+                lease = next(self._ids)
+                self._held[lease] = (self._clock() + lease_s, held)
+                if claimable is None:
+                    self.active += 1
+                else:
+                    self._claimable[lease] = claimable
+        if closed:
+            self._release(list(held))
+            return 0
         return lease
 
     def claim(self, lease: int, keys: Iterable[str], lease_s: float) -> dict[str, Spans]:
@@ -147,7 +157,9 @@ class Leases:
         return len(keys)
 
     def release_all(self) -> None:
+        """Release every lease; from now on `grant` records none (it releases its pins)."""
         with self._lock:
+            self._closed = True
             keys = [key for _, held in self._held.values() for key in held]
             self._held.clear()
             self._claimable.clear()
