@@ -833,6 +833,33 @@ def test_the_links_to_peers_stay_bounded_whatever_peers_handles_name() -> None:
     assert len(fetcher._links) <= LINKS_MAX + 1
 
 
+def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() -> None:
+    """A fetch given up at its lookup deadline leaves no open work on its link; the
+    producer's reply may still come, pinning the item under a lease. Dropping that link
+    as idle would close the socket before the reply is read, leaving the pin until the
+    lease expires; so a link asked lately is kept, and dropped once it is not."""
+    from ec_transfer_nixl.fetcher import LATE_REPLY_S
+
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    task = _task("r0", KEYS[0])
+    fetcher._begin(task)
+    fetcher._tick(_now[0])
+    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    _now[0] += LOOKUP_S + 0.1
+    fetcher._tick(_now[0])
+    assert task.done and not fetcher._pending, "given up: nothing open on the link"
+    fetcher._drop_idle_links()
+    assert peer in fetcher._links, "asked lately: kept for a late reply"
+    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    fetcher._apply(fetcher._links[peer], reply)
+    release = machine.sockets[peer].sent[-1]
+    assert isinstance(release, Release) and release.keys == [KEYS[0]], "the late lease goes"
+    _now[0] += LATE_REPLY_S
+    fetcher._drop_idle_links()
+    assert peer not in fetcher._links, "not asked for LATE_REPLY_S: dropped"
+
+
 def test_a_failed_read_nixl_still_holds_keeps_its_blocks_until_nixl_lets_go() -> None:
     """NIXL says a READ failed but will not release it: it may still write the
     reserved blocks, so they stay reserved (quarantined) while its item fails."""

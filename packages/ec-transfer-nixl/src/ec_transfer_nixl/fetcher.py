@@ -89,6 +89,10 @@ CAUSE_ORDER = ("incompatible", "shape", "not_ready", "missing")
 LINKS_MAX = 256
 """Links kept to peers; beyond it, those no open fetch uses are dropped (handles,
 client input, may name any number of producers; ZeroMQ allows 1023 sockets)."""
+LATE_REPLY_S = 5.0
+"""A link asked this recently is not dropped as idle: a reply that comes after its
+fetch was given up is still read, and its leases released (a closed socket would
+leave them pinned at the producer until they expire)."""
 LOOKUP_ITEMS_MAX = 256
 """Items per Lookup message; more are asked in several (the producer answers each
 under its scheduler's lock, so one message must not hold it long)."""
@@ -185,6 +189,8 @@ class _Link:
     incompatible: bool = False
     agent: str = ""
     """The peer's NIXL agent this engine knows (its metadata was added)."""
+    asked_at: float = -math.inf
+    """When a lookup was last sent on it (the fetcher's clock)."""
 
 
 class Fetcher:
@@ -424,8 +430,12 @@ class Fetcher:
         return link
 
     def _drop_idle_links(self) -> None:
-        """Close the links no open fetch, READ or message to send uses."""
-        busy = {peer for peer, _, _ in self._pending.values()}
+        """Close the links no open fetch, READ or message to send uses, and that were
+        not asked in the last LATE_REPLY_S (they are kept while the number of links is
+        past LINKS_MAX: only a peer that accepted a connection is ever asked)."""
+        late = self._clock() - LATE_REPLY_S
+        busy = {peer for peer, link in self._links.items() if link.asked_at > late}
+        busy.update(peer for peer, _, _ in self._pending.values())
         busy.update(g.peer for g in (*self._reads, *self._awaiting, *self._quarantine))
         busy.update(self._asks)
         busy.update(self._claiming)
@@ -513,6 +523,7 @@ class Fetcher:
                 item.retry_at[peer] = now + CONNECT_RETRY_S
             return False
         self._pending[nonce] = (peer, wanted, now)
+        link.asked_at = now
         if group is not None:
             group.claim_sent, group.claim_nonce = now, nonce
             self._claims[nonce] = group
