@@ -142,9 +142,18 @@ def test_an_encode_only_producer_serves_through_handles(
 def test_the_bytes_really_cross_over_nixl(
     model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
 ) -> None:
-    """Overwrite the producer's region: the consumer's outputs change (runs last)."""
-    assert corrupt_regions(producer["region"]) == 1
-    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT)
+    """Overwrite the producer's region: the consumer's outputs change. The region's
+    bytes are put back after, so the module's producer serves true entries again."""
+    (path,) = region_files(producer["region"])
+    kept = path.read_bytes()  # 4 MiB; writes reach the producer's shared mapping
+    try:
+        assert corrupt_regions(producer["region"]) == 1
+        result = _consumer(
+            model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT
+        )
+    finally:
+        with open(path, "r+b") as region:
+            region.write(kept)
     assert result["encoded_items"] == 0
     changed = sum(a != b for a, b in zip(result["passes"][0], baseline[0], strict=True))
     assert changed >= 6, f"only {changed} outputs changed"
