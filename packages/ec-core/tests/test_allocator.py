@@ -351,3 +351,44 @@ def test_million_block_pool_costs_no_per_block_work() -> None:
     assert alloc.alloc("x", 2) is not None
     assert alloc.num_free_runs == 1
     alloc.check()
+
+
+def test_a_window_of_many_victims_costs_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing a window over k neighbours compares entries O(k) times, not O(k^2).
+
+    A 1000-block item in a pool of one-block entries, under a policy that lets
+    the allocator take a window (`strict_order` False): the window search once
+    tested whether each neighbour was already a victim by scanning the victim
+    list, seconds of scheduler time for a few thousand victims.
+    """
+    from ec_core.scheduler_process import allocator as allocator_module
+    from ec_core.scheduler_process.policy import S3LFUPolicy
+
+    comparisons = 0
+
+    class CountingEntry(Entry):
+        __slots__ = ()
+        __hash__ = object.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            nonlocal comparisons
+            comparisons += 1
+            return self is other
+
+    monkeypatch.setattr(allocator_module, "Entry", CountingEntry)
+    k = 1000
+    alloc = BlockAllocator(2 * k, S3LFUPolicy(2 * k))
+    for i in range(2 * k):
+        key = f"small{i}"
+        alloc.note_request(key)
+        alloc.note_request(key)
+        assert alloc.alloc(key, 1) is not None
+        alloc.mark_ready(key)
+    alloc.note_request("big")
+    alloc.note_request("big")
+    comparisons = 0
+    entry = alloc.alloc("big", k)
+    assert entry is not None and entry.runs == ((entry.runs[0][0], k),)
+    assert alloc.evictions == k
+    assert comparisons <= 4 * k, comparisons
+    alloc.check()

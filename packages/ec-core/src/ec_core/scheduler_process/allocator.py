@@ -316,6 +316,7 @@ class BlockAllocator:
         start, length = seed.runs[0] if len(seed.runs) == 1 else max(seed.runs, key=_run_length)
         left, right = start, start + length
         victims = [seed]
+        chosen = {seed}  # `victims` as a set: a membership test is O(1), not O(window)
         cost = float(seed.num_blocks * (1 + rank_of(seed.key, _UNRANKED)))
         while right - left < n:
             if cost >= budget:
@@ -330,21 +331,23 @@ class BlockAllocator:
                 continue
             before, after = owner_ending_at(left), owner_at(right)
             before_cost = after_cost = math.inf
-            if before is not None and before.ready and before.pins == 0 and before not in victims:
+            if before is not None and before.ready and before.pins == 0 and before not in chosen:
                 before_cost = before.num_blocks * (1 + rank_of(before.key, _UNRANKED))
-            if after is not None and after.ready and after.pins == 0 and after not in victims:
+            if after is not None and after.ready and after.pins == 0 and after not in chosen:
                 after_cost = after.num_blocks * (1 + rank_of(after.key, _UNRANKED))
             if before_cost <= after_cost:
                 if before is None or before_cost == math.inf:
                     return None
                 cost += before_cost
                 victims.append(before)
+                chosen.add(before)
                 runs = before.runs
                 left = runs[0][0] if len(runs) == 1 else self._run_of(before, left, "l")[0]
             else:
                 assert after is not None
                 cost += after_cost
                 victims.append(after)
+                chosen.add(after)
                 runs = after.runs
                 run_start, run_length = (
                     runs[0] if len(runs) == 1 else self._run_of(after, right, "r")
