@@ -203,6 +203,16 @@ class Ranks:
                 back.append(rank)
         return back
 
+    def all_heard(self) -> bool:
+        """Whether every rank the workers announced has reported once, or the ones
+        that never did were given up on (see `missing`)."""
+        return len(self.settled) >= self.expected or self.missing_given_up
+
+    def all_acked(self, acked: set[int]) -> bool:
+        """Whether `acked` covers every rank that may still run a copy: every live
+        rank, once all announced ranks were heard from (see `all_heard`)."""
+        return self.live <= acked and self.all_heard()
+
     def floor(self) -> int | None:
         """The last step every live rank has settled.
 
@@ -210,7 +220,7 @@ class Ranks:
         missing ones were given up, see `missing`): a rank not heard from yet
         may be running any copy, so nothing can be settled on the others' word.
         """
-        if not self.live or (len(self.settled) < self.expected and not self.missing_given_up):
+        if not self.live or not self.all_heard():
             return None
         return min(self.settled[rank] for rank in self.live)
 

@@ -25,7 +25,8 @@ class Settlement:
     INVARIANT (block reuse). A copy's blocks go back to the allocator — a
     save's not-ready entry discarded, a load's pin released — only when the
     copy can no longer touch them:
-      (a) its own report arrived (a load: from every live rank), or
+      (a) its own report arrived (a load: from every live rank, once every
+          rank the workers announced has been heard from or given up on), or
       (b) every live rank reported settling at or past the copy's step (its
           report was lost, but the rank has moved past it), or
       (c) the ranks still owing it went silent past the report bound and were
@@ -112,7 +113,7 @@ class Settlement:
         flight.acked.add(rank)
         loads = self.counters.loads_by_rank
         loads[rank] = loads.get(rank, 0) + 1
-        if self.ranks.live <= flight.acked:
+        if self.ranks.all_acked(flight.acked):
             self._complete_load(flight)
 
     # -------------------------------------------------------------- settling
@@ -181,17 +182,19 @@ class Settlement:
                 self.ranks.expected,
             )
         gone = self.ranks.silent()
-        if not gone:
+        if gone:
+            logger.warning(
+                "EC CPU tier: rank(s) %s missed more than %d reports in a row (and %.1f s); "
+                "they are treated as gone and their copies are no longer waited for",
+                sorted(gone),
+                self.bound.steps,
+                self.bound.seconds,
+            )
+        if not (missing or gone):
             return
-        logger.warning(
-            "EC CPU tier: rank(s) %s missed more than %d reports in a row (and %.1f s); they "
-            "are treated as gone and their copies are no longer waited for",
-            sorted(gone),
-            self.bound.steps,
-            self.bound.seconds,
-        )
-        live = self.ranks.live
-        for load in [f for f in self.flights.loads.values() if live <= f.acked]:
+        # Loads the remaining ranks all reported were waiting only for these.
+        acked = self.ranks.all_acked
+        for load in [f for f in self.flights.loads.values() if acked(f.acked)]:
             self._complete_load(load)
 
     def _note_overdue(self, flight: Flight) -> None:
