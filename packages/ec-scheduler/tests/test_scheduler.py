@@ -713,3 +713,22 @@ def test_items_are_asked_of_peers_in_the_width_their_modality_is_saved_in(
     scheduler.remote = None
     StepDriver(scheduler).step([request])
     assert scheduler.allocator.get(H).shape == (8, 4 * WIDTH), "what a local save holds"
+
+
+def test_fm4_a_stale_entry_held_by_a_load_is_counted_once(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """While its load is in flight, a stale entry stays; the requests that keep asking
+    for the item's other shape meanwhile do not count it as dropped again."""
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H, embeds=8))
+    driver = StepDriver(scheduler)
+    in_flight = driver.step([make_request("r1", [Item(H, embeds=8)])]).meta
+    for number in range(3):  # the same item with another shape, step after step
+        result = driver.step([make_request(f"r{number + 2}", [Item(H, embeds=4)])])
+        assert result.looked_up == {H: False}
+    assert scheduler.counters.stale_dropped == 1, "one entry was dropped, once"
+    assert scheduler.stat_totals()["stale_dropped"] == 1
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(in_flight)))
+    assert H not in scheduler.allocator
+    assert scheduler.counters.stale_dropped == 1

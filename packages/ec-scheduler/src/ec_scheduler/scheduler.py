@@ -282,12 +282,14 @@ class ECCPUScheduler:
 
     def _holds(self, entry: Entry, rows: int, request_id: str) -> bool:
         """True if `entry` is ready and holds exactly `rows` rows. A ready entry
-        with another row count is stale: it is retired here and False returned."""
+        with another row count is stale: it is retired here (once: an entry
+        already retired and still pinned is not counted again) and False returned."""
         if not entry.ready or entry.shape is None:
             return False
         if entry.shape[0] == rows:
             return True
-        self._retire_stale(entry, rows, request_id)
+        if entry.key not in self._stale:
+            self._retire_stale(entry, rows, request_id)
         return False
 
     def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
