@@ -454,3 +454,25 @@ def test_a_tmpfs_filled_during_the_reservation_never_causes_a_sigbus(small_tmpfs
     assert done.returncode == 0, done.stderr[-2000:]
     reserved = (2 * MIB - HEADER_BYTES) // 4096  # the synchronous front, header excluded
     assert f"wrote {reserved} of 1536" in done.stdout, done.stdout
+
+
+def test_a_thread_that_cannot_start_leaves_no_file(
+    region_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread left for the background reservation: the constructor raises
+    that error and undoes the creation (no file, no descriptor holding its lock)."""
+
+    def no_threads(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    opened_before = len(os.listdir("/proc/self/fd"))
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", no_threads)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            ECSharedRegion("nothread", BLOCKS, BLOCK, directory=region_dir, background_reserve=True)
+    assert os.listdir(region_dir) == []
+    assert len(os.listdir("/proc/self/fd")) == opened_before, "a descriptor was leaked"
+    with ECSharedRegion(
+        "nothread", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
+    ) as region:
+        assert region.is_creator

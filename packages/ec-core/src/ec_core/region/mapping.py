@@ -196,13 +196,16 @@ class ECSharedRegion:
         if self.is_creator:
             self._publish(self._sync_end)
             if self._sync_end < self.file_bytes:
-                self._reserver = threading.Thread(
+                reserver = threading.Thread(
                     target=self._reserve_rest,
                     args=(self._blocks.data_ptr() - HEADER_BYTES,),
                     name=f"ec-region-reserve-{self.engine_id}",
                     daemon=True,
                 )
-                self._reserver.start()
+                reserver.start()
+                # Only a started thread: a start that fails (no threads left)
+                # leaves nothing for `_abort` to join, so it removes the file.
+                self._reserver = reserver
         logger.info(
             "%s EC CPU region %s: %d blocks x %d bytes (%s)",
             "Created" if self.is_creator else "Joined",
