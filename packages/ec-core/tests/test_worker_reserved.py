@@ -164,3 +164,42 @@ def test_a_worker_that_pins_the_region_has_it_reserved_in_full(
         assert report.completed_saves == ["top"]
     finally:
         w.shutdown()
+
+
+class FailingBatchWorker(HostWorker):
+    """Every batch fails, so each copy takes the synchronous fallback."""
+
+    def _submit_transfer(
+        self,
+        batch: DescriptorBatch,
+        direction: TransferDirection,
+        keepalive: Sequence[torch.Tensor],
+    ) -> TransferHandle:
+        raise RuntimeError("batch refused")
+
+
+def test_the_fallback_copy_writes_only_the_blocks_the_watermark_check_passed(
+    config: Any, held: threading.Event
+) -> None:
+    """Runs whose ends fit the ids pass `checked_runs` without a look at the ids
+    in between: the synchronous fallback must follow those runs (what was
+    checked against the watermark), never an unreserved id in between."""
+    w = FailingBatchWorker(config, rank_info=RankInfo(rank=0, is_save_rank=True))
+    try:
+        unreserved = SYNC_BLOCKS + 3
+        block_ids = [0, unreserved, 2]  # the metadata's runs say blocks 0, 1, 2
+        meta = ECCPUConnectorMetadata(
+            saves={"odd": block_ids}, save_shapes={"odd": (3, WIDTH)}, runs={"odd": ((0, 3),)}
+        )
+        w.bind(meta)
+        w.save_caches({"odd": torch.full((3, WIDTH), 3.0)}, "odd", meta)
+        w.get_finished()
+        report = w.build_connector_worker_meta()
+        assert report.completed_saves == ["odd"]
+        held.set()
+        assert w.region.wait_reserved(DEADLINE_S)
+        blocks = w.region.blocks.view(torch.float32)
+        assert torch.all(blocks[unreserved] == 0), "written above the watermark"
+        assert torch.all(blocks[0:3] == 3.0), "not where the checked runs (and a batch) put it"
+    finally:
+        w.shutdown()

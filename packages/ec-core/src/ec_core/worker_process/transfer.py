@@ -89,16 +89,21 @@ def checked_runs(
 
 
 def entry_spans(
-    block_ids: Sequence[int], block_size: int, nbytes: int
+    block_ids: Sequence[int],
+    block_size: int,
+    nbytes: int,
+    runs: Sequence[tuple[int, int]] | None = None,
 ) -> Iterator[tuple[int, int, int]]:
     """Where an entry of `nbytes` over `block_ids` lives: `(region_offset, entry_offset, size)`.
 
     One span per run of consecutive blocks, in the entry's byte order. Only
     `nbytes` are covered: the tail of the last block is neither read nor
-    written.
+    written. `runs`, when given, are the runs to follow (the `checked_runs`
+    of `block_ids`, as `DescriptorBatch.add_entry` takes them), so a copy
+    goes exactly where a batch of the same runs would.
     """
     offset = 0
-    for first, count in block_runs(block_ids):
+    for first, count in block_runs(block_ids) if runs is None else runs:
         if offset >= nbytes:
             return
         size = min(count * block_size, nbytes - offset)

@@ -262,7 +262,9 @@ class ECCPUWorker(WorkerHooks):
         try:
             if buffer is None:
                 buffer = self._new_entry_buffer(load.shape, self.dtype)
-            self._copy_entry_now(buffer, load.block_ids, load.nbytes, to_region=False)
+            self._copy_entry_now(
+                buffer, load.block_ids, load.nbytes, to_region=False, runs=load.runs
+            )
         except Exception as exc:
             raise ECCPULoadError(
                 f"EC CPU tier: cannot load encoder output {load.key!r} (transfer {load.tid}) "
@@ -383,7 +385,9 @@ class ECCPUWorker(WorkerHooks):
         """Copy one save into the region synchronously (the fallback), or report it failed."""
         began = time.perf_counter()
         try:
-            self._copy_entry_now(save.source, save.block_ids, save.nbytes, to_region=True)
+            self._copy_entry_now(
+                save.source, save.block_ids, save.nbytes, to_region=True, runs=save.runs
+            )
         except Exception as exc:
             self._fail_save(
                 save.key,
@@ -470,11 +474,22 @@ class ECCPUWorker(WorkerHooks):
         return None
 
     def _copy_entry_now(
-        self, device: torch.Tensor, block_ids: list[int], nbytes: int, *, to_region: bool
+        self,
+        device: torch.Tensor,
+        block_ids: list[int],
+        nbytes: int,
+        *,
+        to_region: bool,
+        runs: Sequence[tuple[int, int]] | None = None,
     ) -> None:
-        """Copy one entry between `device` and its blocks with `_copy_now`, run by run."""
+        """Copy one entry between `device` and its blocks with `_copy_now`, run by run.
+
+        `runs` are the entry's checked runs: the copy touches exactly the blocks
+        the bounds and watermark checks passed (and a batch would touch), even
+        when the ids between a run's ends disagree with them."""
         flat = device.reshape(-1).view(torch.uint8)
-        for region_offset, entry_offset, size in entry_spans(block_ids, self.block_size, nbytes):
+        spans = entry_spans(block_ids, self.block_size, nbytes, runs)
+        for region_offset, entry_offset, size in spans:
             host = self._region_bytes[region_offset : region_offset + size]
             other = flat[entry_offset : entry_offset + size]
             if to_region:
