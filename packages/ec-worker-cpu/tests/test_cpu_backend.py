@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import mmap
 import threading
@@ -264,6 +265,29 @@ def test_pool_takes_buffers_freed_on_other_threads_and_after_close() -> None:
     gc.collect()
     assert pool.idle_bytes == 0 and pool.lent == 0  # nothing is kept after close
     assert pool.take(POOLED, torch.uint8).numel() == POOLED  # plain allocations then
+
+
+def test_a_buffer_freed_on_another_thread_while_the_pool_closes_is_not_kept() -> None:
+    """`close` runs on one thread between another thread's free of a lent entry and the
+    queueing of its buffer (forced here: the queue's append first lets `close` run to
+    the end); the buffer is still freed, not filed as idle in the closed pool."""
+    pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
+    held = [pool.take(POOLED, torch.uint8)]
+
+    class CloseFirst(collections.deque[Any]):
+        def append(self, buffer: Any) -> None:
+            closer = threading.Thread(target=pool.close)
+            closer.start()
+            closer.join()
+            super().append(buffer)
+
+    pool._returned = CloseFirst()
+    freer = threading.Thread(target=held.clear)
+    freer.start()
+    freer.join()
+    assert pool.lent == 0
+    assert pool.idle_bytes == 0 and not pool._free.get(_size_class(POOLED))
+    assert not pool._returned, "nothing is kept after close"
 
 
 def test_size_classes_waste_at_most_an_eighth() -> None:

@@ -211,9 +211,14 @@ class LoadBufferPool:
     def _on_free(self, loan: weakref.ref[np.ndarray[Any, Any]]) -> None:
         """The storage over a lent buffer was freed (any thread, maybe inside `take`)."""
         entry = self._lent.pop(id(loan), None)
-        if entry is None or self._closed:
+        if entry is None:
             return
         self._returned.append(entry[1])
+        if self._closed:
+            # Checked after queueing: a `close` on another thread may have cleared
+            # the queue just before this buffer reached it.
+            self._returned.clear()
+            return
         if self._lock.acquire(blocking=False):
             try:
                 self._settle()
@@ -221,7 +226,12 @@ class LoadBufferPool:
                 self._lock.release()
 
     def _settle(self) -> None:
-        """Move returned buffers to the idle lists and keep within `idle_limit` (lock held)."""
+        """Move returned buffers to the idle lists and keep within `idle_limit` (lock held).
+
+        After `close` it drops them instead: a closed pool keeps nothing."""
+        if self._closed:
+            self._returned.clear()
+            return
         while self._returned:
             buffer = self._returned.popleft()
             if buffer.size > self.idle_limit:
