@@ -57,6 +57,17 @@ def test_creator_makes_a_private_file_of_exact_size(creator: ECSharedRegion) -> 
     assert creator.name.startswith(FILE_PREFIX) and creator.name.endswith(FILE_SUFFIX)
 
 
+def test_the_file_is_read_write_for_its_owner_whatever_the_umask(region_dir: Path) -> None:
+    """A umask that takes the owner's write bit would leave a file the engine's other
+    ranks cannot open read-write (a user's shell may set one)."""
+    old = os.umask(0o277)
+    try:
+        with ECSharedRegion("umask", 4, BLOCK, directory=region_dir) as region:
+            assert stat.S_IMODE(region.path.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
 def test_second_opener_joins_and_shares_bytes(creator: ECSharedRegion) -> None:
     joiner = ECSharedRegion(
         "1234_dp0", BLOCKS, BLOCK, directory=creator.directory, owner="engine-a"

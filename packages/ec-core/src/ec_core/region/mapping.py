@@ -176,6 +176,9 @@ class ECSharedRegion:
                 dir_fd=dir_fd,
             )
             self.is_creator = True
+            # Exactly 0600 whatever the umask: this engine's other ranks (the same
+            # user) must open it read-write, and nobody else may open it at all.
+            os.fchmod(fd, 0o600)
         self._fd = fd
         # Held until cleanup(); the kernel releases it if this process dies.
         # Nobody else can hold LOCK_EX here: only the stale-region sweep takes
