@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -229,6 +230,27 @@ def test_too_large_for_the_directory_fails_before_any_file(
     with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\] asks for 8192 bytes") as info:
         ECSharedRegion("big", 32, BLOCK, directory=region_dir)
     assert "free" in str(info.value)
+    assert _region_files(region_dir) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOMEM, errno.EFAULT])
+def test_a_directory_without_fallocate_that_cannot_hold_the_front_is_a_clear_error(
+    code: int, region_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without fallocate the front is reserved by MADV_POPULATE_WRITE; when that finds
+    no memory to back it, the start-up error names ec_cpu_bytes like ENOSPC's."""
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    def no_memory(mapping: object, start: int, length: int) -> None:
+        if length > mmap.PAGESIZE:  # the first probe of one page works
+            raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(region_mod.os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(region_mod, "_populate_write", no_memory)
+    with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\].*cannot hold"):
+        ECSharedRegion("nomem", 4, BLOCK, directory=region_dir)
     assert _region_files(region_dir) == []
 
 

@@ -302,7 +302,18 @@ class ECSharedRegion:
             else:
                 _touch_pages(self._mmap, 0, self._sync_end)
             return
-        _populate_write(self._mmap, 0, self._sync_end)
+        try:
+            _populate_write(self._mmap, 0, self._sync_end)
+        except OSError as exc:
+            # Where fallocate is not supported, this is what reserves the front: a
+            # directory that cannot hold it fails here (ENOMEM, or EFAULT for a
+            # page it cannot back), the same start-up error as fallocate's ENOSPC.
+            if exc.errno not in (*_FULL_ERRNOS, errno.EFAULT):
+                raise
+            raise ValueError(
+                f"ec_connector_extra_config[{KEY_CPU_BYTES!r}] asks for {self.nbytes} bytes "
+                f"({format_bytes(self.nbytes)}) which {self.directory} cannot hold: {exc}"
+            ) from exc
 
     # ---------------------------------------------------------- reservation
 
