@@ -7,9 +7,10 @@ order: `ensure_cache_available`, `has_cache_item` per item,
 `build_connector_meta`, then `update_connector_output` with the workers'
 report of that step (each in its own report type). Each step schedules N
 one-image requests (576 embedding rows per image): half reload an image saved
-before, half are new. The region (256 MiB of 512-byte rows) is full, so new
-images evict. The time of those calls per step is averaged over the measured
-steps; building requests and reports is not timed. Time is the calling
+before, half are new. The warm-up runs until the new images have filled the
+region (256 MiB of 512-byte rows), then WARMUP_STEPS more, so in every
+measured step new images evict. The time of those calls per step is averaged
+over the measured steps; building requests and reports is not timed. Time is the calling
 thread's CPU time (`time.thread_time`), on both sides: what the calls cost,
 without the time the thread spends preempted on a shared machine. Runs alternate ours and
 in-tree (RUNS of each); each figure is the median of its side's runs, and the
@@ -40,9 +41,14 @@ from ectools.driving import Item, SimulatedRanks, StepDriver, connector_output, 
 from ectools.tiny_blip2 import write_config_only
 
 ROWS = 576
+WIDTH = 128
+"""Encoder output width (fp32): one 512-byte row per block."""
 REGION_BYTES = 256 << 20
+FIT = REGION_BYTES // (ROWS * WIDTH * 4)
+"""Images the region holds: once more new ones have been saved, every new one evicts."""
 ITEMS_PER_STEP = (8, 32, 128)
 WARMUP_STEPS = 20
+"""Warm-up steps after the region has filled."""
 MEASURED_ITEMS = 6_000
 RUNS = 5
 
@@ -75,9 +81,25 @@ def _workload(items: int, steps: int, seed: int) -> list[list[str]]:
     return plan
 
 
+def _warmup_steps(plan: list[list[str]]) -> int:
+    """Steps until more new images than the region holds were asked, then WARMUP_STEPS."""
+    seen: set[str] = set()
+    for number, keys in enumerate(plan):
+        seen.update(keys)
+        if len(seen) > FIT:
+            return number + 1 + WARMUP_STEPS
+    raise ValueError("the plan never fills the region")
+
+
 def per_step_us(scheduler: Any, items: int) -> float:
-    steps = WARMUP_STEPS + max(MEASURED_ITEMS // items, 10)
-    plan = _workload(items, steps, seed=items)
+    measured = max(MEASURED_ITEMS // items, 10)
+    # Half the items are new: 2 * FIT / items steps fill the region; the plan's prefix
+    # does not depend on its length, so a longer plan cut after the warm-up is the same.
+    plan = _workload(items, 4 * FIT // items + WARMUP_STEPS + measured, seed=items)
+    warmup = _warmup_steps(plan)
+    plan = plan[: warmup + measured]
+    steps = len(plan)
+    assert steps == warmup + measured, "the plan is too short"
     driver = StepDriver(scheduler)
     total = 0.0
     for number, keys in enumerate(plan):
@@ -89,9 +111,9 @@ def per_step_us(scheduler: Any, items: int) -> float:
         began = time.thread_time()
         scheduler.update_connector_output(output)
         elapsed += time.thread_time() - began
-        if number >= WARMUP_STEPS:
+        if number >= warmup:
             total += elapsed
-    return total / (steps - WARMUP_STEPS) * 1e6
+    return total / (steps - warmup) * 1e6
 
 
 def table(policy: str | None = None) -> list[str]:
@@ -104,7 +126,7 @@ def table(policy: str | None = None) -> list[str]:
     config = make_vllm_config(
         write_config_only(tempfile.mkdtemp(prefix="ec-bench-model-")),
         extra=extra,
-        widths={"image": 128},
+        widths={"image": WIDTH},
     )
     lines = [
         f"Table 3 - scheduler cost per engine step ({ROWS}-row images, half reloads, "
