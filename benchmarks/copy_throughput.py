@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import tempfile
 
 import torch
@@ -48,6 +49,9 @@ WIDTH = 4096
 SIZES_MB = (1, 8, 64)
 BATCH = (16, 1)
 """One step of 16 entries of 1 MB each (the `16x1MB` rows)."""
+SHM = "/dev/shm"
+"""Where the region lives, as by default (`ec_cpu_dir`): tmpfs. A region on a disk file
+system (TMPDIR) would be written back, and its pages write-faulted again after that."""
 
 
 def measure(worker: CpuECCPUWorker, mb: int, repeats: int, count: int = 1) -> list[str]:
@@ -143,7 +147,9 @@ def table(repeats: int = 15) -> list[str]:
     """Table 4 lines: the CPU backend's worker vs memcpy for one 1, 8 or 64 MB entry
     per step, and for a step of 16 entries of 1 MB."""
     torch.set_num_threads(1)
-    region_dir = tempfile.mkdtemp(prefix="ec-bench-region-")
+    region_dir = tempfile.mkdtemp(
+        prefix="ec-bench-region-", dir=SHM if os.path.isdir(SHM) else None
+    )
     model_dir = write_config_only(
         tempfile.mkdtemp(prefix="ec-bench-model-"), TinyBlip2(text_hidden=WIDTH)
     )

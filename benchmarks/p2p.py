@@ -381,7 +381,10 @@ def main() -> None:
         return
     from ectools.tiny_blip2 import TinyBlip2, write_config_only
 
-    with tempfile.TemporaryDirectory(prefix="ec-bench-p2p-") as folder:
+    # The regions on tmpfs, as by default (`ec_cpu_dir`), like the raw READ's buffers
+    # in memory: on a disk file system (TMPDIR) they would be written back to disk.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="ec-bench-p2p-", dir=shm) as folder:
         base = Path(folder)
         model = str(write_config_only(base / "model", TinyBlip2(text_hidden=WIDTH)))
         import socket
