@@ -70,6 +70,14 @@ def _rows(mb: int) -> int:
     return mb * 2**20 // (WIDTH * 2)
 
 
+def _pattern(nbytes: int) -> Any:
+    """The raw READ's source bytes: a period of 251 (a prime), so a READ that moved
+    nothing, or read from another entry's offset, leaves bytes that differ."""
+    import torch
+
+    return torch.arange(251, dtype=torch.uint8).repeat(-(-nbytes // 251))[:nbytes]
+
+
 def _producer(model: str, region: str, address: str, pipe: Any) -> None:
     """Save the entries, offer a raw buffer, then run busy engine steps until told to stop."""
     import torch
@@ -96,7 +104,7 @@ def _producer(model: str, region: str, address: str, pipe: Any) -> None:
             scheduler.update_connector_output(
                 connector_output(worker.build_connector_worker_meta())
             )
-    raw = torch.zeros(max(mb * BATCH[mb] for mb in SIZES_MB) * 2**20, dtype=torch.uint8)
+    raw = _pattern(max(mb * BATCH[mb] for mb in SIZES_MB) * 2**20)
     raw_agent = RegionAgent(f"bench-raw-producer-{os.getpid()}", raw.data_ptr(), raw.numel())
     pipe.send((raw_agent.name, raw_agent.metadata, raw.data_ptr()))
     stop = threading.Event()
@@ -189,6 +197,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     sink = torch.zeros(max(mb * BATCH[mb] for mb in SIZES_MB) * 2**20, dtype=torch.uint8)
     agent = RegionAgent(f"bench-raw-consumer-{os.getpid()}", sink.data_ptr(), sink.numel())
     peer = agent.know(raw_name, raw_md)
+    expected = _pattern(sink.numel())
     count = 0
 
     def fetch(mb: int, n: int, *, handles: bool = False) -> float:
@@ -226,10 +235,13 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                 consumer.allocator.drop(key)
         return took
 
-    def raw_read(mb: int, n: int) -> float:
+    def raw_read(mb: int, n: int, *, verify: bool = False) -> float:
         """Seconds for `n` READs of `mb` MB each, started at once (no notification, as
-        a fetch's READ has none)."""
+        a fetch's READ has none). Every READ must end DONE (an ERR also ends the wait);
+        with `verify`, the bytes that landed are checked too (outside the clock)."""
         nbytes = mb * 2**20
+        if verify:
+            sink[: n * nbytes].zero_()
         began = time.perf_counter()
         handles = [
             agent.read(
@@ -241,8 +253,12 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
         while any(agent.state(h) == "PROC" for h in handles):
             time.sleep(0.0001)
         took = time.perf_counter() - began
+        states = [agent.state(h) for h in handles]
+        assert states == ["DONE"] * n, f"a raw READ did not complete: {states}"
         for handle in handles:
             agent.release(handle)
+        if verify:
+            assert torch.equal(sink[: n * nbytes], expected[: n * nbytes]), "raw READ bytes"
         return took
 
     rows_out = []
@@ -251,7 +267,8 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
             for n in sorted({1, BATCH[mb]}):
                 ours_s, raw_s = [], []
                 for repeat in range(repeats + 1):  # the first is a warm-up, not counted
-                    took_ours, took_raw = fetch(mb, n, handles=handles), raw_read(mb, n)
+                    took_ours = fetch(mb, n, handles=handles)
+                    took_raw = raw_read(mb, n, verify=not repeat)
                     if repeat:
                         ours_s.append(took_ours)
                         raw_s.append(took_raw)
