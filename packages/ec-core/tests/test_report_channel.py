@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
 import time
 
 import pytest
@@ -43,6 +48,62 @@ def test_a_message_not_signed_with_the_secret_or_malformed_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=r"signed|frames"):
         report_channel.decode(frames, SECRET)
+
+
+def _signed(payload: bytes) -> list[bytes]:
+    return [payload, hmac.new(SECRET, payload, hashlib.sha256).digest()]
+
+
+def _with(**fields: object) -> bytes:
+    return json.dumps({**dataclasses.asdict(_report()), **fields}).encode()
+
+
+HOSTILE = [
+    _with(stats=[1, 2]),  # stats not a dict
+    _with(stats="bytes_saved"),
+    _with(group_size=1e400),  # parses as inf: int() overflows
+    _with(progress=[[0, 1e400, 0]]),
+    _with(stats={"bytes_saved": 10**400}),  # too large for a float
+    b"[" * 100_000 + b"]" * 100_000,  # nested too deep to parse
+    b"[1, 2]",
+    b"\xff\xfe",
+]
+
+
+@pytest.mark.parametrize("payload", HOSTILE)
+def test_a_signed_but_malformed_report_is_refused_with_value_error(payload: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed"):
+        report_channel.decode(_signed(payload), SECRET)
+
+
+def test_drain_drops_malformed_reports_with_one_warning_and_keeps_the_good_ones(
+    tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    address = report_channel.endpoint(f"{tmp_path}/region.mmap")
+    receiver = report_channel.ReportReceiver(address, SECRET)
+    sender = report_channel.ReportSender(address, SECRET)
+    raw = sender._socket  # the worker's socket: sends signed frames as they are
+    channel_logger = logging.getLogger("vllm.ec_cpu.ec_core.report_channel")
+    channel_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for payload in HOSTILE:
+                raw.send_multipart(_signed(payload))
+            sender.send(_report())
+            got: list[ECCPUWorkerReport] = []
+            began = time.monotonic()
+            while receiver.dropped < len(HOSTILE) or not got:
+                assert time.monotonic() - began < 60, "nothing arrived"
+                got.extend(receiver.drain())  # never raises
+                time.sleep(0.005)
+        assert got == [_report()] and receiver.dropped == len(HOSTILE)
+        # (a record reaches caplog's handler once or twice: here, and through the root)
+        dropped = {id(r) for r in caplog.records if "dropped a report" in r.getMessage()}
+        assert len(dropped) == 1  # rate-limited: one line for the burst
+    finally:
+        channel_logger.removeHandler(caplog.handler)
+        sender.close()
+        receiver.close()
 
 
 def test_reports_sent_by_a_worker_are_drained_by_the_scheduler(tmp_path: object) -> None:

@@ -28,7 +28,11 @@ import json
 import os
 from typing import Any
 
+from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUWorkerReport
+from ec_core.ratelimit import RateLimitedWarnings
+
+logger = get_logger(__name__)
 
 SEND_HWM = 10_000
 """Reports queued for a scheduler that is not draining; beyond, reports are
@@ -60,13 +64,23 @@ def encode(report: ECCPUWorkerReport, secret: bytes) -> list[bytes]:
 
 
 def decode(frames: list[bytes], secret: bytes) -> ECCPUWorkerReport:
-    """The report in `frames`; ValueError when it must be dropped."""
+    """The report in `frames`; ValueError when it must be dropped.
+
+    Nothing else is raised, whatever the frames hold (a field of the wrong type,
+    a missing one, a number too large for its field, nesting too deep to parse).
+    """
     if len(frames) != 2:
         raise ValueError(f"expected 2 frames, got {len(frames)}")
     payload, mac = frames
     if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
         raise ValueError("not signed with this engine's ec_peer_secret")
-    data = json.loads(payload)
+    try:
+        return _report(json.loads(payload))
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        raise ValueError(f"malformed report: {type(e).__name__}: {e}") from e
+
+
+def _report(data: Any) -> ECCPUWorkerReport:
     return ECCPUWorkerReport(
         completed_saves=[str(k) for k in data["completed_saves"]],
         completed_loads=[int(t) for t in data["completed_loads"]],
@@ -118,8 +132,11 @@ class ReportReceiver(_End):
         self._socket.bind(address)
         self.dropped = 0
         """Messages that did not verify or decode."""
+        self._warn = RateLimitedWarnings(logger).warn
 
     def drain(self) -> list[ECCPUWorkerReport]:
+        """Never raises for a message: one that does not verify or decode is counted in
+        `dropped` and warned about (one line a minute)."""
         reports: list[ECCPUWorkerReport] = []
         while True:
             try:
@@ -128,5 +145,6 @@ class ReportReceiver(_End):
                 return reports
             try:
                 reports.append(decode(frames, self._secret))
-            except (ValueError, KeyError, TypeError):
+            except ValueError as e:
                 self.dropped += 1
+                self._warn("dropped", "EC CPU tier: dropped a report on the side channel: %s", e)
