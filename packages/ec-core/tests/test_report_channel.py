@@ -76,6 +76,20 @@ def test_a_signed_but_malformed_report_is_refused_with_value_error(payload: byte
         report_channel.decode(_signed(payload), SECRET)
 
 
+@pytest.mark.parametrize(
+    "value", ["NaN", "Infinity", "-Infinity", "-4096", '"nan"', '"inf"', "1e300"]
+)
+def test_a_report_whose_stats_are_out_of_range_is_refused(value: str) -> None:
+    # The scheduler adds each figure to a counter for good: a NaN would make
+    # vllm:ec_cpu_bytes_saved NaN (and published every step) from then on.
+    payload = _with(stats={}).replace(
+        b'"stats": {}', b'"stats": {"bytes_saved": ' + value.encode() + b"}"
+    )
+    assert b"bytes_saved" in payload
+    with pytest.raises(ValueError, match="out of range"):
+        report_channel.decode(_signed(payload), SECRET)
+
+
 def test_drain_drops_malformed_reports_with_one_warning_and_keeps_the_good_ones(
     tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:

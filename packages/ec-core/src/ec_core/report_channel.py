@@ -38,6 +38,9 @@ SEND_HWM = 10_000
 """Reports queued for a scheduler that is not draining; beyond, reports are
 dropped (the scheduler's settlement then treats those copies as unreported)."""
 
+MAX_STAT = float(2**63)
+"""Largest worker figure (bytes or seconds of one report) a report may carry."""
+
 
 def needed(vllm_config: Any, *, listening: bool) -> bool:
     """Whether this engine's reports need the side channel (see the module docstring)."""
@@ -90,8 +93,20 @@ def _report(data: Any) -> ECCPUWorkerReport:
         failed_saves=[(int(r), int(s), str(k)) for r, s, k in data["failed_saves"]],
         load_acks=[(int(r), int(t)) for r, t in data["load_acks"]],
         fallbacks=[(int(r), str(kind)) for r, kind in data["fallbacks"]],
-        stats={str(k): float(v) for k, v in data["stats"].items()},
+        stats={str(k): _stat(v) for k, v in data["stats"].items()},
     )
+
+
+def _stat(value: Any) -> float:
+    """A worker figure as a float: ValueError unless it is between 0 and `MAX_STAT`.
+
+    The scheduler adds each figure to a counter for good: a NaN, an infinity or a
+    negative figure would leave that counter NaN, infinite or going backwards.
+    """
+    number = float(value)
+    if not 0.0 <= number <= MAX_STAT:  # NaN compares False
+        raise ValueError(f"stats value out of range: {value!r}")
+    return number
 
 
 class _End:
