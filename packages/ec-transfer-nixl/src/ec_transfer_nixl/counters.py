@@ -1,11 +1,14 @@
 """What the cross-engine layer counts (cumulative; names as in ec_core.stats).
 
-Each field is written by one thread only (the producer's server or the
-consumer's fetcher) and read by the scheduler thread when it publishes stats.
+Each field but `fallbacks` is written by one thread only (the producer's server
+or the consumer's fetcher) and read by the scheduler thread when it publishes
+stats. `fallbacks` is written by the fetcher and by the scheduler thread (a
+handle naming an incompatible engine), so it is updated and read under a lock.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from ec_core.stats import labelled_key
@@ -42,11 +45,19 @@ class PeerCounters:
     """Bytes of leased items whose READ the peer finished."""
     requests_denied: int = 0
     """Messages dropped: not signed with the shared secret, stale, or malformed."""
+    _fallbacks_lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def fell_back(self, cause: str) -> None:
-        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
+        """Count one item not fetched; safe from any thread (no increment is lost)."""
+        with self._fallbacks_lock:
+            self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
 
     def totals(self) -> dict[str, float]:
+        """The figures under their stats names; safe while other threads count."""
+        with self._fallbacks_lock:
+            fallbacks = dict(self.fallbacks)
         data: dict[str, float] = {
             "remote_lookups": self.remote_lookups,
             "remote_hits": self.remote_hits,
@@ -57,6 +68,6 @@ class PeerCounters:
             "peer_bytes_served": self.bytes_served,
             "peer_requests_denied": self.requests_denied,
         }
-        for cause, count in self.fallbacks.items():
+        for cause, count in fallbacks.items():
             data[labelled_key("remote_fallbacks", cause)] = count
         return data
