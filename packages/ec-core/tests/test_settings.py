@@ -279,3 +279,13 @@ def test_a_size_beyond_any_file_is_refused_where_the_config_is_built() -> None:
     with pytest.raises(SizeError, match="too large"):
         parse_byte_size("1e400")
     assert parse_byte_size("4TiB") == 4 * 1024**4
+
+
+def test_a_home_directory_that_cannot_be_expanded_names_the_key() -> None:
+    """`~user` naming no user made `Path.expanduser` raise RuntimeError: the early check
+    left it to the engine, which then failed without naming the key."""
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\] = '~no-such-user-ec-cpu/shm'"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": "~no-such-user-ec-cpu/shm"},
+            block_size_bytes=BLOCK,
+        )

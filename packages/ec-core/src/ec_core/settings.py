@@ -170,7 +170,10 @@ def _parse_dir(raw: object) -> Path:
     text = os.fspath(raw)
     if not isinstance(text, str) or not text.strip():
         raise _invalid(KEY_REGION_DIR, raw, "expected a non-empty directory path")
-    path = Path(text).expanduser().absolute()
+    try:
+        path = Path(text).expanduser().absolute()
+    except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
+        raise _invalid(KEY_REGION_DIR, raw, f"cannot expand '~': {exc}") from None
     if not path.is_dir():
         raise _invalid(KEY_REGION_DIR, raw, f"{path} is not an existing directory")
     if not os.access(path, os.W_OK | os.X_OK):
