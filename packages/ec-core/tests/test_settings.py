@@ -289,3 +289,13 @@ def test_a_home_directory_that_cannot_be_expanded_names_the_key() -> None:
             {"ec_cpu_bytes": 4096, "ec_cpu_dir": "~no-such-user-ec-cpu/shm"},
             block_size_bytes=BLOCK,
         )
+
+
+@pytest.mark.parametrize("value", ["²", "1" * 5000])
+def test_digits_int_cannot_read_are_a_count_error_naming_the_key(value: str) -> None:
+    """`str.isdigit` admits superscripts and strings past Python's int-conversion
+    limit; `int()` then raised its own ValueError, which named no key."""
+    with pytest.raises(ValueError, match=r"\['ec_report_timeout_steps'\].*whole number"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_report_timeout_steps": value}, block_size_bytes=BLOCK
+        )

@@ -200,7 +200,10 @@ def _parse_count(key: str, raw: object) -> int:
     if isinstance(raw, float) and raw.is_integer():
         raw = int(raw)
     if isinstance(raw, str) and raw.strip().isdigit():
-        raw = int(raw)
+        try:
+            raw = int(raw)
+        except ValueError:  # digits int() does not read ('²'), or past its length limit
+            raise _invalid(key, raw, "expected a whole number >= 0") from None
     if not isinstance(raw, int) or raw < 0:
         raise _invalid(key, raw, "expected a whole number >= 0")
     return raw
