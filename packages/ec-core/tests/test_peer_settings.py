@@ -123,3 +123,20 @@ def test_handle_leases_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch)
         {**base, "ec_peer_handle_lease_s": "2.5"}, block_size_bytes=512, role="ec_both"
     )
     assert settings.peers is not None and settings.peers.handle_lease_s == 2.5
+
+
+def test_a_secret_that_is_not_utf8_text_is_refused_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Random bytes exported as the secret reach Python as lone surrogates; accepted,
+    the engine failed later with UnicodeEncodeError where the secret is encoded
+    (report channel, NIXL transport), after the early check had passed."""
+    monkeypatch.setenv(SECRET_ENV, "\udcff\udcfe" + SECRET)
+    with pytest.raises(ValueError, match=r"\['ec_peer_secret'\] = <hidden>.*UTF-8") as info:
+        parse_peer_settings({"ec_peers": ["h:1"]}, "ec_consumer")
+    assert SECRET_ENV in str(info.value)
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match="UTF-8"):
+        parse_peer_settings({"ec_peers": ["h:1"], "ec_peer_secret": "\ud800" + SECRET}, None)
+    text = parse_peer_settings({"ec_peers": ["h:1"], "ec_peer_secret": "pässwörter"}, None)
+    assert text is not None and text.secret.encode() == "pässwörter".encode()

@@ -78,11 +78,11 @@ class PeerSettings:
     """How this engine serves its entries to other engines and fetches theirs.
 
     Guarantees: `listen` is set only for a producer role and `peers` only for a
-    consumer role; a secret of at least MIN_SECRET_CHARS characters is present
-    (peers that do not share it get nothing); the timeouts are finite and
-    positive, and a producer's lease outlasts a consumer's fetch deadline, so
-    an entry is never released while a fetch within its deadline may still
-    read it.
+    consumer role; a secret of at least MIN_SECRET_CHARS characters that
+    encodes as UTF-8 is present (peers that do not share it get nothing); the
+    timeouts are finite and positive, and a producer's lease outlasts a
+    consumer's fetch deadline, so an entry is never released while a fetch
+    within its deadline may still read it.
     """
 
     listen: PeerAddress | None
@@ -102,7 +102,8 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
 
     Raises ValueError naming the key (never showing a secret) for anything
     malformed, for a listen address on a consumer-only engine, for peers on a
-    producer-only engine, and for peer keys without a secret.
+    producer-only engine, for peer keys without a secret, and for a secret
+    (from the config or the environment) that does not encode as UTF-8.
     """
     secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV))
     if KEY_LISTEN not in extra and KEY_PEERS not in extra and secret_raw is None:
@@ -140,6 +141,15 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
             f"a shared secret of at least {MIN_SECRET_CHARS} characters is required with "
             f"{KEY_LISTEN} or {KEY_PEERS} (in the config or in ${SECRET_ENV})",
         )
+    try:
+        secret_raw.encode()  # what signs and checks every message
+    except UnicodeEncodeError:  # lone surrogates: bytes the environment could not decode
+        raise _invalid(
+            KEY_SECRET,
+            secret_raw,
+            f"the shared secret (in the config or in ${SECRET_ENV}) must be text that "
+            "encodes as UTF-8, e.g. hex or base64 of random bytes",
+        ) from None
     lookup = _seconds(extra, KEY_LOOKUP_TIMEOUT, DEFAULT_LOOKUP_TIMEOUT_S)
     fetch = _seconds(extra, KEY_FETCH_TIMEOUT, DEFAULT_FETCH_TIMEOUT_S)
     lease = _seconds(extra, KEY_LEASE, DEFAULT_LEASE_S)
