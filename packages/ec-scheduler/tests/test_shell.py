@@ -259,6 +259,26 @@ def test_the_early_check_leaves_other_connectors_alone(tiny_model_dir: str) -> N
     assert config.ec_transfer_config is not None
 
 
+def test_the_early_check_follows_vllms_resolution_order(tiny_model_dir: str) -> None:
+    """vLLM resolves a registered name before any module path: our name with another
+    package's module path still builds this connector (so it is checked), and another
+    registered connector's name with our module path builds that one (so it is not)."""
+    extra = {"ec_cpu_bytes": "12 apples"}
+    with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\] = '12 apples' is invalid"):
+        make_vllm_config(
+            tiny_model_dir, module_path="my_company.connectors", extra=extra, early_checks=True
+        )
+    for name in ("ECExampleConnector", "ECCPUConnector"):
+        config = make_vllm_config(
+            tiny_model_dir,
+            connector=name,
+            module_path="ec_scheduler",
+            extra=extra,
+            early_checks=True,
+        )
+        assert config.ec_transfer_config is not None
+
+
 def test_the_early_check_is_installed_once() -> None:
     from vllm.config import VllmConfig
 

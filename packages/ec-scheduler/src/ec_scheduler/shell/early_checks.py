@@ -11,8 +11,9 @@ connector is checked as the engine would check it, and the same error is raised
 right there, to the caller.
 
 Guarantees:
-  * only configs naming this connector (its name, a backend's alias, or a module
-    path inside this project's packages) are looked at; every other config is
+  * only configs that vLLM resolves to this connector (its name or a backend's
+    alias, whatever the module path; an unregistered name with a module path
+    inside this project's packages) are looked at; every other config is
     untouched;
   * what raises here is exactly what the engine would raise later: a
     `ValueError` from the settings parser (region size, policy, peers, ...) or
@@ -34,19 +35,30 @@ _OUR_MODULES = ("ec_scheduler", "ec_worker_", "ec_transfer_")
 
 
 def names_this_connector(ec_config: Any) -> bool:
-    """Whether an `ECTransferConfig` selects this project's connector."""
+    """Whether an `ECTransferConfig` selects this project's connector.
+
+    Decided in vLLM's own order (`ECConnectorFactory.get_connector_class`): a
+    registered name wins over `ec_connector_module_path`, so our name (or an
+    installed backend's alias) is ours whatever the module path, and another
+    registered connector's name is not ours even with our module path.
+    """
     name = getattr(ec_config, "ec_connector", None)
     if not name:
         return False
-    module = getattr(ec_config, "ec_connector_module_path", None) or ""
-    if module:
-        return module.startswith(_OUR_MODULES)
     if name == backends.CONNECTOR_NAME:
         return True
     try:
-        return backends.backend_named(name) is not None
+        if backends.backend_named(name) is not None:
+            return True
     except backends.BackendError:
         return False
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    registry = getattr(ECConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and name in registry:
+        return False  # another connector's name: vLLM ignores the module path
+    module = getattr(ec_config, "ec_connector_module_path", None) or ""
+    return bool(module) and module.startswith(_OUR_MODULES)
 
 
 def check(vllm_config: Any) -> None:
