@@ -47,7 +47,15 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries, Wanted
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import LINKS_MAX, Fetcher, FetchTask, HandleLease, ItemFetch, _Link
+from ec_transfer_nixl.fetcher import (
+    LINKS_MAX,
+    SAVING_RETRY_S,
+    Fetcher,
+    FetchTask,
+    HandleLease,
+    ItemFetch,
+    _Link,
+)
 from ec_transfer_nixl.wire import (
     LAPSED,
     MISSING,
@@ -900,3 +908,76 @@ def test_an_agent_two_links_share_is_forgotten_only_with_the_last() -> None:
     fetcher._tasks.clear()
     fetcher._drop_idle_links()
     assert machine.agent.forgotten == ["producer"]
+
+
+# ------------------------------------------------- the scheduler thread's seam
+
+
+def _source_over(fetcher: Fetcher, local: LocalEntries) -> Any:
+    """A NixlRemoteSource (no region, no sockets, no threads of its own) whose fetcher
+    is `fetcher`, taken for running, asking the first peer: `wants` as the scheduler
+    thread calls it, the fetcher's passes driven by the test."""
+    from collections import OrderedDict
+
+    from ec_core.peer_settings import PeerSettings
+    from ec_core.ratelimit import RateLimitedWarnings
+    from ec_transfer_nixl.source import NixlRemoteSource, logger
+
+    fetcher._thread = threading.current_thread()  # alive: `running` holds
+    source = NixlRemoteSource.__new__(NixlRemoteSource)
+    source._settings = PeerSettings(
+        listen=None,
+        peers=PEERS[:1],
+        secret=SECRET.decode(),
+        lookup_timeout_s=LOOKUP_S,
+        fetch_timeout_s=FETCH_S,
+    )
+    source._local = local
+    source.counters = fetcher.counters
+    source._warnings = RateLimitedWarnings(logger)
+    source.fingerprint = "fp"
+    source._secret = SECRET
+    source._tasks, source._fetching, source._finished = {}, {}, []
+    source._negative = OrderedDict()
+    source._closed = False
+    source.fetcher = fetcher
+    return source
+
+
+def _request(request_id: str, **params: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=request_id, ec_transfer_params=params or None)
+
+
+def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done() -> None:
+    """r2 needs k0, which r1's fetch brings, and k1, which r2's own fetch brings. Once
+    r2's fetch is done, k0's is still in flight: r2 must keep waiting for it (as on its
+    first call), not go on and encode k0 while its bytes are about to land."""
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    source = _source_over(fetcher, machine.local)
+    k0, k1 = Wanted("k0", 1, COLS), Wanted("k1", 1, COLS)
+    r1, r2 = _request("r1"), _request("r2")
+    assert source.wants(r1, [k0])
+    assert source.wants(r2, [k0, k1]), "k0 is on its way, k1 is fetched for r2"
+    source.step_done()
+    for task in fetcher._take_tasks():
+        fetcher._begin(task)
+    fetcher._tick(_now[0])
+    (lookup,) = machine._lookups(peer)
+    machine.sockets[peer].sent.remove(lookup)
+    results = [("k0", SAVING, []), ("k1", OK, [(0, COLS * ITEMSIZE)])]
+    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    _finish_reads(machine)
+    assert source._tasks["r2"].done and not source._tasks["r1"].done
+    assert source.wants(r2, [k0]), "k0's fetch is still in flight: r2 waits for it"
+    assert source.wants(r1, [k0])
+    _now[0] += SAVING_RETRY_S
+    fetcher._tick(_now[0])  # k0 is asked again, and is ready now
+    (lookup,) = machine._lookups(peer)
+    results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
+    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    _finish_reads(machine)
+    assert machine.allocator.get("k0").ready  # type: ignore[union-attr]
+    assert not source.wants(r1, []) and not source.wants(r2, [])

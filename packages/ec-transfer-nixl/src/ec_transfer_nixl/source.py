@@ -170,7 +170,9 @@ class NixlRemoteSource:
             return False  # no fetches (any more): nothing to wait for, items encode here
         task = self._tasks.get(request.request_id)
         if task is not None:
-            return not task.done
+            # Its own fetch is asked once; it also waits for the items other requests'
+            # fetches bring (as on the first call), or it would encode them meanwhile.
+            return not task.done or self._brought_by_others(missing, task)
         now = time.monotonic()
         waits = False  # on an item another request's fetch is bringing
         items: dict[str, ItemFetch] = {}
@@ -205,6 +207,14 @@ class NixlRemoteSource:
             self._fetching[key] = task
         self.fetcher.submit(task)
         return True
+
+    def _brought_by_others(self, missing: Sequence[Wanted], task: FetchTask) -> bool:
+        """Whether another task than `task` is still fetching one of `missing`."""
+        for wanted in missing:
+            other = self._fetching.get(wanted.key)
+            if other is not None and other is not task and not other.done:
+                return True
+        return False
 
     def step_done(self) -> None:
         if self._finished:
