@@ -29,6 +29,7 @@ released under a lease the peer did not grant this engine.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -981,3 +982,33 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     _finish_reads(machine)
     assert machine.allocator.get("k0").ready  # type: ignore[union-attr]
     assert not source.wants(r1, []) and not source.wants(r2, [])
+
+
+def test_an_incompatible_handle_counts_each_item_encoded_here_once() -> None:
+    """A handle naming an engine incompatible with this one: its items asked of
+    `ec_peers` have the fetch's own outcome (here a hit, not also a fallback); with no
+    peer to ask, each item counts as an `incompatible` fallback once, however often
+    the scheduler asks about the request before it runs."""
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    source = _source_over(fetcher, machine.local)
+    handle = {"ec_cpu_tier": {"peer": str(PEERS[1]), "fingerprint": "other", "items": {}}}
+    request = _request("r1", **handle)
+    assert source.wants(request, [Wanted("k0", 1, COLS)])
+    source.step_done()
+    for task in fetcher._take_tasks():
+        fetcher._begin(task)
+    fetcher._tick(_now[0])
+    (lookup,) = machine._lookups(peer)
+    results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
+    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    _finish_reads(machine)
+    assert not source.wants(request, [])
+    counters = fetcher.counters
+    assert (counters.remote_hits, counters.fallbacks) == (1, {}), "fetched: no fallback"
+    alone = _source_over(_fetcher_over(None)[0], machine.local)
+    alone._settings = dataclasses.replace(alone._settings, peers=())
+    two = [Wanted("k2", 1, COLS), Wanted("k3", 1, COLS)]
+    for _ in range(3):  # e.g. steps with no room for it
+        assert not alone.wants(_request("r2", **handle), two)
+    assert alone.counters.fallbacks == {"incompatible": 2}

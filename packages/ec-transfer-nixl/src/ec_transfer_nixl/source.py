@@ -193,6 +193,14 @@ class NixlRemoteSource:
         if handle_peer is not None and handle_peer not in candidates:
             candidates.insert(0, handle_peer)
         if not candidates or not items:
+            if items and handle is not None and handle_peer is None:
+                # Encoded here because its handle names an incompatible engine: each
+                # item counts once, and a done task keeps later calls from counting again.
+                for _ in items:
+                    self.counters.fell_back("incompatible")
+                self._tasks[request.request_id] = FetchTask(
+                    request.request_id, items, (), now, now, done=True
+                )
             return waits
         task = FetchTask(
             request_id=request.request_id,
@@ -235,9 +243,11 @@ class NixlRemoteSource:
                     del self._fetching[key]
         self._finished = still
 
-    def _handle(self, request: Request) -> tuple[PeerAddress, HandleLease | None] | None:
+    def _handle(self, request: Request) -> tuple[PeerAddress | None, HandleLease | None] | None:
         """The producer a request's handle names, and its pre-granted lease if it
-        carries one that is signed with the secret and not about to end."""
+        carries one that is signed with the secret and not about to end; `(None, None)`
+        if that producer's engine is incompatible with this one (not asked); None
+        without a well-formed handle."""
         params = getattr(request, "ec_transfer_params", None)
         handle = params.get(HANDLE_KEY) if isinstance(params, dict) else None
         if not isinstance(handle, dict):
@@ -254,8 +264,7 @@ class NixlRemoteSource:
                 "this one (another model, dtype, width or wire version); encoding here",
                 peer,
             )
-            self.counters.fell_back("incompatible")
-            return None
+            return None, None
         return peer, self._handle_lease(peer, handle)
 
     def _handle_lease(self, peer: PeerAddress, handle: dict[str, Any]) -> HandleLease | None:
