@@ -32,7 +32,7 @@ def test_a_producer_and_a_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert both is not None
     assert both.listen == PeerAddress("127.0.0.1", 5710)
-    assert [str(p) for p in both.peers] == ["10.0.0.2:5710", "::1:6000", "node-3.local:5711"]
+    assert [str(p) for p in both.peers] == ["10.0.0.2:5710", "[::1]:6000", "node-3.local:5711"]
     assert both.lookup_timeout_s == 0.5 and both.fetch_timeout_s == 10 and both.lease_s == 30
     assert SECRET not in repr(both)
 
@@ -140,3 +140,16 @@ def test_a_secret_that_is_not_utf8_text_is_refused_naming_the_key(
         parse_peer_settings({"ec_peers": ["h:1"], "ec_peer_secret": "\ud800" + SECRET}, None)
     text = parse_peer_settings({"ec_peers": ["h:1"], "ec_peer_secret": "pässwörter"}, None)
     assert text is not None and text.secret.encode() == "pässwörter".encode()
+
+
+def test_an_ipv6_literal_keeps_its_brackets_wherever_it_is_written() -> None:
+    """`[::1]:5710` was accepted, then written `::1:5710`: no ZeroMQ endpoint, and a
+    handle's peer that no longer parses."""
+    address = PeerAddress.parse("ec_peer_listen", "[::1]:5710")
+    assert address == PeerAddress("::1", 5710) and address.is_ipv6
+    assert str(address) == "[::1]:5710"
+    assert address.endpoint == "tcp://[::1]:5710"
+    assert PeerAddress.parse("ec_transfer_params.peer", str(address)) == address
+    plain = PeerAddress.parse("ec_peers", "10.0.0.5:5710")
+    assert not plain.is_ipv6 and plain.endpoint == "tcp://10.0.0.5:5710"
+    assert str(PeerAddress.parse("ec_peers", "encoder-0.local:5710")) == "encoder-0.local:5710"

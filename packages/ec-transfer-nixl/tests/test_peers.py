@@ -212,6 +212,38 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     assert torch.equal(cache["img-h"], payload("img-h", 6))
 
 
+def _free_port6() -> int:
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_peers_and_handles_work_over_ipv6_loopback(make_engine: Callable[..., Engine]) -> None:
+    """An IPv6 literal was accepted by the settings but never reached: the server
+    bound, and the fetcher connected, to `tcp://::1:PORT`, which ZeroMQ cannot read."""
+    address = f"[::1]:{_free_port6()}"
+    producer = make_engine(
+        "ec_both", ec_peer_listen=address, ec_peer_handle_lease_s=WAIT_S, **PATIENT
+    )
+    by_peers = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
+    by_handle = make_engine("ec_consumer", **PATIENT)
+    items = [Item("img-6a", 4), Item("img-6b", 7)]
+    producer.save(*items)
+    request = make_request("r6", items[:1])
+    by_peers.wait_available(request)
+    cache = by_peers.run_step(StepDriver(by_peers.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-6a"], payload("img-6a", 4))
+    assert _fallbacks(by_peers) == {}
+    _, params = producer.scheduler.request_finished(make_request("done6", items[1:]))
+    assert params is not None and params["ec_cpu_tier"]["peer"] == address
+    request = make_request("r6-handle", items[1:])
+    request.ec_transfer_params = params
+    by_handle.wait_available(request)
+    cache = by_handle.run_step(StepDriver(by_handle.scheduler).step([request]).meta)
+    assert torch.equal(cache["img-6b"], payload("img-6b", 7))
+    assert _fallbacks(by_handle) == {}
+
+
 def test_finished_requests_leave_nothing_in_the_consumers_fetch_index(
     make_engine: Callable[..., Engine],
 ) -> None:

@@ -55,10 +55,22 @@ class PeerAddress:
     """A `HOST:PORT` a producer listens on or a consumer asks."""
 
     host: str
+    """A name, an IPv4 address, or an IPv6 address without its brackets."""
     port: int
 
+    @property
+    def is_ipv6(self) -> bool:
+        """Whether `host` is an IPv6 literal (ZeroMQ sockets must then enable IPv6)."""
+        return ":" in self.host
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ TCP endpoint: `tcp://HOST:PORT`, an IPv6 host in brackets."""
+        return f"tcp://{self}"
+
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        """`HOST:PORT`, an IPv6 host in brackets, as `parse` reads it back."""
+        return f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
 
     @classmethod
     def parse(cls, key: str, raw: object) -> PeerAddress:

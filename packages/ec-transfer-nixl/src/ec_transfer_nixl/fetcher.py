@@ -417,7 +417,9 @@ class Fetcher:
                 sock = self._context.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a peer not connected
-                sock.connect(f"tcp://{peer.host}:{peer.port}")
+                if peer.is_ipv6:
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.connect(peer.endpoint)
                 link = _Link(sock)
             except zmq.ZMQError as exc:  # e.g. an address it cannot parse, or no sockets left
                 if sock is not None:

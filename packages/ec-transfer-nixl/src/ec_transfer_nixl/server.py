@@ -143,7 +143,9 @@ class PeerServer:
         try:
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.bind(f"tcp://{self._listen.host}:{self._listen.port}")
+            if self._listen.is_ipv6:
+                socket.setsockopt(zmq.IPV6, 1)
+            socket.bind(self._listen.endpoint)
             agent = self._make_agent()
         except BaseException as exc:
             self._error = RuntimeError(f"EC CPU tier: cannot serve peers on {self._listen}: {exc}")

@@ -387,7 +387,6 @@ def _lease_fields(handle: dict[str, Any], lease: dict[str, Any]) -> dict[str, An
 
 def _advertised(listen: PeerAddress) -> str:
     """The address other engines reach this one at (a wildcard bind names this host)."""
-    host = listen.host
-    if host in ("0.0.0.0", "::", "*"):
-        host = socket.getfqdn()
-    return f"{host}:{listen.port}"
+    if listen.host in ("0.0.0.0", "::", "*"):
+        return str(PeerAddress(socket.getfqdn(), listen.port))
+    return str(listen)
