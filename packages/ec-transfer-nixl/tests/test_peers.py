@@ -244,6 +244,35 @@ def test_peers_and_handles_work_over_ipv6_loopback(make_engine: Callable[..., En
     assert _fallbacks(by_handle) == {}
 
 
+def test_a_listen_address_in_use_is_a_clear_error_not_a_hung_start(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """The server thread left its socket open when bind failed, so the source's
+    cleanup (ZeroMQ's context.term()) waited for it forever: a port in use hung
+    the engine's start instead of failing it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        outcome: list[BaseException | None] = []
+
+        def start() -> None:
+            try:
+                make_engine("ec_producer", ec_peer_listen=address)
+            except BaseException as exc:  # the outcome is checked below
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        starter.join(WAIT_S)
+        assert not starter.is_alive(), "the engine's start hung"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert f"cannot serve peers on {address}" in str(outcome[0])
+    assert list((tmp_path / "region0").iterdir()) == [], "the region file stayed behind"
+
+
 def test_finished_requests_leave_nothing_in_the_consumers_fetch_index(
     make_engine: Callable[..., Engine],
 ) -> None:

@@ -140,6 +140,7 @@ class PeerServer:
         return lease, spans if lease else {}
 
     def _run(self) -> None:
+        socket = None
         try:
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
@@ -148,6 +149,9 @@ class PeerServer:
             socket.bind(self._listen.endpoint)
             agent = self._make_agent()
         except BaseException as exc:
+            # Closed here, or the context's term() at shutdown waits for it forever.
+            if socket is not None:
+                socket.close(0)
             self._error = RuntimeError(f"EC CPU tier: cannot serve peers on {self._listen}: {exc}")
             self._ready.set()
             return
