@@ -6,7 +6,7 @@ import ctypes
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.worker_process import worker as worker_module
 from ec_core.worker_process.entries import ECCPULoadError
 from ec_core.worker_process.ranks import RankInfo
 from ec_core.worker_process.transfer import (
@@ -614,3 +615,46 @@ def test_a_one_entry_save_that_fails_to_submit_falls_back(worker: HostBackend) -
     assert report.save_acks == [(0, 0, "s")] and report.fallbacks == [(0, "save")]
     cache, _ = _step_load(worker, {"s": (1, [4, 5], (2, WIDTH))})
     assert torch.equal(cache["s"], data)
+
+
+class _Sender:
+    """Stands in for the report side channel's sending end (ReportSender)."""
+
+    made: ClassVar[list[_Sender]] = []
+    fail = False
+
+    def __init__(self, address: str, secret: bytes) -> None:
+        if _Sender.fail:
+            raise OSError(24, "Too many open files")
+        self.closed = False
+        _Sender.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("failing", ["side channel", "pin"])
+def test_a_failed_construction_leaves_no_region_and_no_side_channel(
+    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """An encode-only producer with peers opens the report side channel. When that
+    failed, the constructor raised with the region mapped and its file left behind;
+    when pinning failed after it, the channel's socket stayed open."""
+    monkeypatch.setattr(worker_module, "ReportSender", _Sender)
+    monkeypatch.setattr(_Sender, "made", [])
+    monkeypatch.setattr(_Sender, "fail", failing == "side channel")
+    config = make_vllm_config(
+        tiny_model_dir,
+        role="ec_producer",
+        extra={
+            "ec_cpu_bytes": 256 * BLOCK,
+            "ec_cpu_dir": str(tmp_path),
+            "ec_peer_listen": "127.0.0.1:5999",
+            "ec_peer_secret": "a-test-secret",
+        },
+    )
+    with pytest.raises((OSError, RuntimeError)):
+        HostBackend(config, rank_info=RankInfo(0, True), fail_pin=failing == "pin")
+    assert list(tmp_path.glob("ec_cpu_tier_*")) == []
+    assert all(sender.closed for sender in _Sender.made)
+    assert len(_Sender.made) == (1 if failing == "pin" else 0)

@@ -131,15 +131,18 @@ class ECCPUWorker(WorkerHooks):
         self._closed = False
         self._side_channel: ReportSender | None = None
         peers = self.layout.settings.peers
-        if peers is not None and report_channel.needed(
-            vllm_config, listening=peers.listen is not None
-        ):
-            self._side_channel = ReportSender(
-                report_channel.endpoint(self.layout.path), peers.secret.encode()
-            )
         try:
+            if peers is not None and report_channel.needed(
+                vllm_config, listening=peers.listen is not None
+            ):
+                self._side_channel = ReportSender(
+                    report_channel.endpoint(self.layout.path), peers.secret.encode()
+                )
             self._pin_shared_region()
         except BaseException:
+            # A constructor that raises leaves nothing open: no socket, no mapping, no file.
+            if self._side_channel is not None:
+                self._side_channel.close()
             self._region_bytes = torch.empty(0, dtype=torch.uint8)
             self.region.cleanup()
             raise
