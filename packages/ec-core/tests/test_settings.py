@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,13 +164,57 @@ def test_dir_that_is_a_file(tmp_path: Path) -> None:
         )
 
 
+def test_a_dir_that_cannot_be_looked_at_is_a_value_error_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A component longer than NAME_MAX: stat fails with ENAMETOOLONG, which
+    # Path.is_dir() raises instead of answering False.
+    too_long = tmp_path / ("d" * 300)
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\].*cannot look at"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(too_long)}, block_size_bytes=BLOCK
+        )
+    # A parent this user may not search (EACCES; root is never refused, so injected).
+    private = tmp_path / "private"
+    real_stat = os.stat
+
+    def refusing_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path).startswith(os.fspath(private)):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", refusing_stat)
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\].*Permission denied"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(private / "shm")}, block_size_bytes=BLOCK
+        )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_dir(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    with pytest.raises(ValueError, match="not writable"):
+    with pytest.raises(ValueError, match="not readable and writable"):
         ECCPUSettings.from_extra_config(
             {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(locked)}, block_size_bytes=BLOCK
+        )
+
+
+def test_a_dir_this_user_cannot_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A write-only directory (mode 0300): workers open it to lock it and list it for
+    # stale files, so it must fail here, naming the key, not later in a worker. Root
+    # may read anything, so the refusal is injected.
+    real_access = os.access
+
+    def no_read(path: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+        return not mode & os.R_OK and real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", no_read)
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\].*not readable and writable"):
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, "ec_cpu_dir": str(tmp_path)}, block_size_bytes=BLOCK
         )
 
 

@@ -174,10 +174,15 @@ def _parse_dir(raw: object) -> Path:
         path = Path(text).expanduser().absolute()
     except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
         raise _invalid(KEY_REGION_DIR, raw, f"cannot expand '~': {exc}") from None
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # a parent this user cannot search (EACCES), a name too long
+        raise _invalid(KEY_REGION_DIR, raw, f"cannot look at {path}: {exc.strerror}") from None
+    if not is_dir:
         raise _invalid(KEY_REGION_DIR, raw, f"{path} is not an existing directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise _invalid(KEY_REGION_DIR, raw, f"{path} is not writable by this user")
+    # Read too: workers open the directory to lock it and list it for stale files.
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise _invalid(KEY_REGION_DIR, raw, f"{path} is not readable and writable by this user")
     return path
 
 
