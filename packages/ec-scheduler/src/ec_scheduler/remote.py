@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.extents import Run
 
 if TYPE_CHECKING:
@@ -94,7 +94,10 @@ class LocalEntries:
     Every method takes the scheduler's lock, so a source's threads and vLLM's
     scheduler thread never change the allocator at the same time. Leases
     (producer side) are pins; reservations (consumer side) are not-ready
-    entries that only `landed` makes loadable.
+    entries that only `landed` makes loadable. `landed` and `abandon` act on
+    the entry `reserve` made and on nothing else: once a reservation is over,
+    its key may be this engine's own save (not ready either) in flight, whose
+    blocks a worker is writing.
     """
 
     def __init__(
@@ -115,6 +118,8 @@ class LocalEntries:
         self._release_pin = release_pin
         self._is_stale = is_stale
         self._blocks_for = blocks_for
+        self._reserved: dict[str, Entry] = {}
+        """The reservations not yet landed or abandoned: the entry made for each key."""
         self.closed = False
 
     # ------------------------------------------------------ producer side
@@ -193,7 +198,11 @@ class LocalEntries:
                     out.append(None)
                     continue
                 entry = alloc(key, blocks_for(rows, cols), (rows, cols), force=True)
-                out.append(entry.runs if entry is not None else None)
+                if entry is None:
+                    out.append(None)
+                else:
+                    self._reserved[key] = entry
+                    out.append(entry.runs)
             return out
 
     def landed_many(self, keys: Sequence[str]) -> list[bool]:
@@ -201,8 +210,8 @@ class LocalEntries:
         with self._lock:
             out: list[bool] = []
             for key in keys:
-                entry = self._allocator.get(key)
-                if self.closed or entry is None or entry.ready:
+                entry = self._reservation(key)
+                if self.closed or entry is None:
                     out.append(False)
                 else:
                     self._allocator.mark_ready(key)
@@ -223,6 +232,14 @@ class LocalEntries:
             if self.closed:
                 return
             for key in keys:
-                entry = self._allocator.get(key)
-                if entry is not None and not entry.ready:
+                if self._reservation(key) is not None:
                     self._allocator.discard(key)
+
+    def _reservation(self, key: str) -> Entry | None:
+        """End the reservation of `key` and return its entry; None when there is none
+        to end (it landed, was abandoned, or was never made here), whatever entry
+        `key` names now."""
+        entry = self._reserved.pop(key, None)
+        if entry is None or entry.ready or self._allocator.get(key) is not entry:
+            return None
+        return entry
