@@ -81,3 +81,37 @@ def test_needs_an_ec_transfer_config(tiny_model_dir: str) -> None:
     config = make_vllm_config(tiny_model_dir, role=None)
     with pytest.raises(ValueError, match="ec_transfer_config"):
         region_layout(config)
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "tp", "pcp", "pp", "refused"),
+    [
+        (2, 2, 1, 1, True),  # one tensor-parallel group over two hosts
+        (2, 1, 2, 1, True),  # one context-parallel group over two hosts
+        (4, 4, 1, 2, True),  # 4 copying ranks, 2 ranks a host
+        (2, 4, 2, 2, False),  # 8 copying ranks, 8 ranks a host: a stage per host
+        (2, 2, 1, 2, False),  # pipeline stages across hosts, each group within one
+        (1, 8, 1, 1, False),  # one host
+    ],
+)
+def test_copying_ranks_spread_over_hosts_are_refused_naming_the_layout(
+    tiny_model_dir: str, tmp_path: Path, nnodes: int, tp: int, pcp: int, pp: int, refused: bool
+) -> None:
+    """A rank on another host than the saving rank would map a region of its own there
+    and load bytes nobody saved, silently: such a layout must fail at start-up."""
+    config = make_vllm_config(
+        tiny_model_dir, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    parallel = config.parallel_config
+    # vLLM checks these against the devices it sees; the layout check reads them only.
+    parallel.nnodes = nnodes
+    parallel.tensor_parallel_size = tp
+    parallel.prefill_context_parallel_size = pcp
+    parallel.pipeline_parallel_size = pp
+    parallel.world_size = tp * pcp * pp
+    if refused:
+        spread = rf"ranks that copy entries on one host.*{nnodes} hosts"
+        with pytest.raises(ValueError, match=spread):
+            region_layout(config)
+    else:
+        assert region_layout(config).num_blocks > 0

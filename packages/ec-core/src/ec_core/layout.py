@@ -68,6 +68,7 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
             "vLLM runs their encoder outside the EC connector's step, so their encoder "
             "outputs can be neither saved to nor loaded from the region"
         )
+    _check_copiers_share_a_host(vllm_config.parallel_config)
     dtype = model_config.dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")
@@ -116,3 +117,34 @@ def create_ec_shared_region(vllm_config: VllmConfig) -> ECSharedRegion:
     the first caller creates the file and the others join it.
     """
     return open_region(region_layout(vllm_config))
+
+
+def _check_copiers_share_a_host(parallel: object) -> None:
+    """Raise ValueError when the ranks that copy an entry do not all share one host.
+
+    The region lives in one host's shared memory, and one rank (tensor- and
+    context-parallel rank 0) saves for all of them: a rank on another host
+    would create a region of its own there and load bytes nobody wrote, which
+    the model would take as encoder outputs. vLLM numbers ranks with tensor,
+    then context parallelism innermost and gives each host consecutive ranks
+    (`--nnodes`), so that group spans hosts when it is larger than one host's
+    share of the engine's ranks. (Ray placements are not described in the
+    config and are not checked here.)
+    """
+    try:
+        nodes = int(getattr(parallel, "nnodes_within_dp", 1))
+        per_node = int(getattr(parallel, "local_world_size", 0))
+    except (ValueError, TypeError):  # an invalid data-parallel layout: vLLM reports it
+        return
+    group = int(getattr(parallel, "tensor_parallel_size", 1)) * int(
+        getattr(parallel, "prefill_context_parallel_size", 1)
+    )
+    if nodes > 1 and 0 < per_node < group:
+        raise ValueError(
+            f"the EC CPU tier needs the {group} tensor/context-parallel ranks that copy "
+            f"entries on one host, but this engine spreads them over {nodes} hosts "
+            f"({per_node} ranks each): its region is one host's shared memory, so ranks on "
+            "the other hosts would load bytes nobody saved there. Keep tensor and context "
+            "parallelism within a host (spread pipeline stages across hosts instead) or "
+            "run without --ec-transfer-config"
+        )
