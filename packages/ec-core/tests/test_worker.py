@@ -359,6 +359,30 @@ def test_rejected_save_warnings_are_rate_limited(
     assert len(lines) == 1 and "bad0" in lines[0]
 
 
+class _NoMemoryForACopy(torch.Tensor):
+    """A strided encoder output whose contiguous copy finds no device memory."""
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+
+def test_a_save_whose_contiguous_copy_fails_is_skipped_not_raised(
+    worker: HostBackend, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """Out of device memory for the copy of one output must not stop the engine's step:
+    the save is skipped and reported failed (the entry is encoded again later)."""
+    worker.region.blocks[:2].fill_(5)
+    strided = torch.randn(WIDTH, 2).t().as_subclass(_NoMemoryForACopy)
+    meta = ECCPUConnectorMetadata(saves={"s": [0, 1]}, save_shapes={"s": (2, WIDTH)}, step=4)
+    worker.bind(meta)
+    worker.save_caches({"s": strided}, "s", meta)
+    worker.get_finished()
+    report = worker.build_connector_worker_meta()
+    assert report.failed_saves == [(0, 4, "s")] and report.completed_saves == []
+    assert torch.all(worker.region.blocks[:2] == 5), "nothing may be written"
+    assert any("contiguous copy" in r.getMessage() for r in ec_log.records)
+
+
 def test_a_save_never_produced_is_reported_failed(worker: HostBackend) -> None:
     meta = ECCPUConnectorMetadata(saves={"ghost": [0]}, save_shapes={"ghost": (1, WIDTH)}, step=3)
     worker.bind(meta)

@@ -332,9 +332,12 @@ class ECCPUWorker(WorkerHooks):
             if problem is not None:
                 self._fail_save(mm_hash, self._step, problem, kind="save-unreserved")
                 return
-        self._pending_saves.append(
-            PendingSave(mm_hash, self._step, source.contiguous(), block_ids, nbytes, runs)
-        )
+        try:
+            data = source.contiguous()
+        except Exception as exc:  # a strided output's copy found no device memory
+            self._fail_save(mm_hash, self._step, f"cannot make a contiguous copy of it: {exc}")
+            return
+        self._pending_saves.append(PendingSave(mm_hash, self._step, data, block_ids, nbytes, runs))
 
     def _unreserved_problem(self, lowest: int, end: int) -> str | None:
         """Why blocks `[lowest, end)` must not be written, or None once the
