@@ -68,6 +68,11 @@ def test_the_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
             "must exceed ec_peer_fetch_timeout_s",
         ),
         (
+            {"ec_peers": ["h:1"], "ec_peer_secret": SECRET, "ec_peer_lease_s": 11},
+            "ec_both",
+            "by more than 1 s",
+        ),
+        (
             {"ec_peers": ["h:1"], "ec_peer_secret": SECRET, "ec_peer_lookup_timeout_s": 0},
             "ec_both",
             "positive",

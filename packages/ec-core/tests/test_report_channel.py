@@ -120,6 +120,35 @@ def test_drain_drops_malformed_reports_with_one_warning_and_keeps_the_good_ones(
         receiver.close()
 
 
+def test_drain_returns_while_a_local_process_floods_the_channel(tmp_path: object) -> None:
+    """Any local process can connect to the abstract socket and send faster than the
+    scheduler checks messages: `drain` (called under the scheduler's lock, every step
+    and at every peer lookup) must return anyway, the rest left for its next call,
+    not spin while the flood lasts (the engine would hang)."""
+    import zmq
+
+    address = report_channel.endpoint(f"{tmp_path}/region.mmap")
+    receiver = report_channel.ReportReceiver(address, SECRET)
+    real = receiver._socket
+    calls = [0]
+
+    class Flooded:
+        def recv_multipart(self, flags: int = 0) -> list[bytes]:
+            calls[0] += 1
+            if calls[0] > 200_000:  # the test's own stop: the flood never ends by itself
+                raise zmq.Again()
+            return [b"{}", b"\x00" * 32]  # not signed: dropped
+
+    receiver._socket = Flooded()
+    try:
+        assert receiver.drain() == []
+        assert calls[0] < 200_000, "drain ran as long as the flood lasted"
+        assert receiver.dropped == calls[0]
+    finally:
+        receiver._socket = real
+        receiver.close()
+
+
 def test_reports_sent_by_a_worker_are_drained_by_the_scheduler(tmp_path: object) -> None:
     address = report_channel.endpoint(f"{tmp_path}/region.mmap")
     receiver = report_channel.ReportReceiver(address, SECRET)

@@ -1012,3 +1012,101 @@ def test_an_incompatible_handle_counts_each_item_encoded_here_once() -> None:
     for _ in range(3):  # e.g. steps with no room for it
         assert not alone.wants(_request("r2", **handle), two)
     assert alone.counters.fallbacks == {"incompatible": 2}
+
+
+class _NixlPostFails:
+    """NIXL's own agent (what RegionAgent wraps) whose post of a READ fails the way
+    its bindings report it, by raising (e.g. a connection lost between two batches
+    of descriptors), while part of the READ was posted: until `holds` goes False,
+    NIXL refuses to release the transfer (it may still write)."""
+
+    holds = True
+
+    def get_xfer_descs(self, descs: Any, mem: str) -> Any:
+        return descs
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str, notify: bytes) -> Any:
+        return object()
+
+    def transfer(self, handle: Any) -> str:
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return "ERR"
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        if self.holds:
+            raise RuntimeError("NIXL_IN_PROG: cannot cancel the transfer yet")
+
+
+def test_a_read_whose_post_fails_but_that_nixl_keeps_holds_its_blocks_until_nixl_lets_go() -> None:
+    """NIXL's bindings raise when posting a READ fails; what was posted of it may still
+    write the reserved blocks if NIXL will not release the transfer. Those blocks must
+    stay reserved (quarantined) until NIXL lets go, or a later entry allocated there
+    is overwritten by the orphaned READ."""
+    from ec_transfer_nixl.agent import RegionAgent
+
+    machine = FetchMachine()
+    fetcher, allocator, peer = machine.fetcher, machine.allocator, PEERS[0]
+    nixl = _NixlPostFails()
+    agent = RegionAgent.__new__(RegionAgent)
+    agent._agent, agent.name, agent.metadata, agent._known = nixl, "consumer", b"md", {}
+    fetcher.agent = agent
+    task = _task("r0", KEYS[0])
+    fetcher._begin(task)
+    fetcher._tick(_now[0])
+    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._tick(_now[0])
+    assert task.done and task.items[KEYS[0]].outcome != "landed"
+    entry = allocator.get(KEYS[0])
+    assert entry is not None and not entry.ready, "NIXL may still write: its blocks stay held"
+    assert not any(isinstance(m, Release) for m in machine.sockets[peer].sent), (
+        "the producer's pins stay while the READ may still read them"
+    )
+    nixl.holds = False
+    fetcher._tick(_now[0])
+    assert allocator.get(KEYS[0]) is None and fetcher.quarantined == 0
+    assert any(isinstance(m, Release) for m in machine.sockets[peer].sent)
+
+
+def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_settings_accept() -> None:
+    """The settings accept an `ec_peer_lease_s` only above `ec_peer_fetch_timeout_s`, so
+    that a fetch within its deadline is never read under a lease that ended. The
+    fetcher trusts a READ only if it ended LEASE_MARGIN_S before its lease's end: a
+    lease the settings accept must leave room for that, or (say a lease of 1 s) every
+    fetch is read and then thrown away as a `read_error`."""
+    from ec_core.peer_settings import parse_peer_settings
+
+    accepted = 0
+    for fetch_s, lease_s in [(0.5, 1.0), (0.5, 1.4), (2.0, 2.5), (0.5, 1.6), (10.0, 30.0)]:
+        extra = {
+            "ec_peers": [str(PEERS[0])],
+            "ec_peer_secret": SECRET.decode(),
+            "ec_peer_lookup_timeout_s": fetch_s / 2,
+            "ec_peer_fetch_timeout_s": fetch_s,
+            "ec_peer_lease_s": lease_s,
+        }
+        try:
+            peers = parse_peer_settings(extra, "ec_both")
+        except ValueError:
+            continue
+        assert peers is not None
+        accepted += 1
+        machine = FetchMachine()
+        fetcher, peer = machine.fetcher, PEERS[0]
+        task = _task("r0", KEYS[0])
+        task.deadline = _now[0] + peers.fetch_timeout_s
+        fetcher._begin(task)
+        fetcher._tick(_now[0])
+        lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+        reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+        reply.lease_s = peers.lease_s
+        fetcher._apply(fetcher._links[peer], reply)
+        (read,) = machine.agent.running()
+        _now[0] = task.deadline - 0.01  # ends within the fetch's deadline
+        read.state = "DONE"
+        fetcher._tick(_now[0])
+        assert task.items[KEYS[0]].outcome == "landed", (fetch_s, lease_s)
+    assert accepted >= 2

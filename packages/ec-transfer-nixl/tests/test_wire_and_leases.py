@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import threading
 import time
 from types import SimpleNamespace
@@ -86,6 +87,15 @@ def test_another_secret_or_a_stale_message_is_refused() -> None:
     with pytest.raises(WireError, match="stale"):
         open_frame(seal(_lookup(), SECRET), SECRET, now=1000.0 + FRESH_S + 1)
     assert MAGIC.startswith(b"ECCPUTIER/")
+
+
+def test_a_message_stamped_with_no_time_is_refused() -> None:
+    """A signed message whose `sent_at` is NaN (a buggy peer) is no closer than FRESH_S
+    to any clock: taken, it would never be stale, and the receiver's replay table,
+    which forgets in arrival order, would keep every later frame for good."""
+    for sent_at in (math.nan, math.inf, -math.inf):
+        with pytest.raises(WireError, match="stale"):
+            open_frame(seal(_lookup(sent_at=sent_at), SECRET), SECRET, now=1000.0)
 
 
 def test_a_signed_but_malformed_payload_is_refused() -> None:

@@ -37,6 +37,8 @@ KEYS = frozenset(
 DEFAULT_LOOKUP_TIMEOUT_S = 1.0
 DEFAULT_FETCH_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 30.0
+LEASE_MARGIN_S = 1.0
+"""A consumer trusts a READ only if it ended this long before its lease's end."""
 MIN_SECRET_CHARS = 8
 
 PRODUCER_ROLES = frozenset({"ec_producer", "ec_both"})
@@ -93,8 +95,9 @@ class PeerSettings:
     consumer role; a secret of at least MIN_SECRET_CHARS characters that
     encodes as UTF-8 is present (peers that do not share it get nothing); the
     timeouts are finite and positive, and a producer's lease outlasts a
-    consumer's fetch deadline, so an entry is never released while a fetch
-    within its deadline may still read it.
+    consumer's fetch deadline by more than LEASE_MARGIN_S, so an entry is never
+    released while a fetch within its deadline may still read it, and such a
+    fetch's bytes are trusted.
     """
 
     listen: PeerAddress | None
@@ -165,12 +168,13 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
     lookup = _seconds(extra, KEY_LOOKUP_TIMEOUT, DEFAULT_LOOKUP_TIMEOUT_S)
     fetch = _seconds(extra, KEY_FETCH_TIMEOUT, DEFAULT_FETCH_TIMEOUT_S)
     lease = _seconds(extra, KEY_LEASE, DEFAULT_LEASE_S)
-    if lease <= fetch:
+    if lease <= fetch + LEASE_MARGIN_S:
         raise _invalid(
             KEY_LEASE,
             extra.get(KEY_LEASE, lease),
-            f"must exceed {KEY_FETCH_TIMEOUT} ({fetch:g} s): a producer would release "
-            "entries a fetch may still be reading",
+            f"must exceed {KEY_FETCH_TIMEOUT} ({fetch:g} s) by more than {LEASE_MARGIN_S:g} s: "
+            "a producer would release entries a fetch may still be reading (a consumer "
+            f"trusts a READ only if it ended {LEASE_MARGIN_S:g} s before its lease's end)",
         )
     if lookup > fetch:
         raise _invalid(

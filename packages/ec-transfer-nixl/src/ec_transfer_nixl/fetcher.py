@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ec_core._vllm import get_logger
+from ec_core.peer_settings import LEASE_MARGIN_S
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span, paired_spans
 from ec_transfer_nixl.counters import PeerCounters
@@ -83,8 +84,6 @@ CONNECT_RETRY_S = 0.005
 """How soon a lookup is sent again to a peer whose connection is not up yet."""
 DOWN_FOR_S = 5.0
 """How long a peer that did not answer is not asked."""
-LEASE_MARGIN_S = 1.0
-"""A READ that ends later than this before its lease's end is not trusted."""
 CAUSE_ORDER = ("incompatible", "shape", "not_ready", "missing")
 LINKS_MAX = 256
 """Links kept to peers; beyond it, those no open fetch uses are dropped (handles,

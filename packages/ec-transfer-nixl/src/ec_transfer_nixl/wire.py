@@ -157,7 +157,7 @@ def open_frame(frame: bytes, secret: bytes, now: float | None = None) -> Message
     except msgspec.DecodeError as exc:
         raise WireError(f"malformed payload: {exc}") from None
     clock = time.time() if now is None else now
-    if abs(clock - message.sent_at) > FRESH_S:
+    if not abs(clock - message.sent_at) <= FRESH_S:  # NaN too: it would never go stale
         raise WireError(f"stale message (sent {clock - message.sent_at:.0f} s ago)")
     return message
 
