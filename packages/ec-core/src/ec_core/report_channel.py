@@ -38,6 +38,10 @@ SEND_HWM = 10_000
 """Reports queued for a scheduler that is not draining; beyond, reports are
 dropped (the scheduler's settlement then treats those copies as unreported)."""
 
+DRAIN_MAX = 10_000
+"""Messages one `drain` takes at most; the rest wait for its next call, so a local
+process that floods the channel cannot keep the scheduler in it."""
+
 MAX_STAT = float(2**63)
 """Largest worker figure (bytes or seconds of one report) a report may carry."""
 
@@ -151,15 +155,16 @@ class ReportReceiver(_End):
 
     def drain(self) -> list[ECCPUWorkerReport]:
         """Never raises for a message: one that does not verify or decode is counted in
-        `dropped` and warned about (one line a minute)."""
+        `dropped` and warned about (one line a minute). Takes DRAIN_MAX messages at most."""
         reports: list[ECCPUWorkerReport] = []
-        while True:
+        for _ in range(DRAIN_MAX):
             try:
                 frames = self._socket.recv_multipart(self._zmq.NOBLOCK)
             except self._zmq.Again:
-                return reports
+                break
             try:
                 reports.append(decode(frames, self._secret))
             except ValueError as e:
                 self.dropped += 1
                 self._warn("dropped", "EC CPU tier: dropped a report on the side channel: %s", e)
+        return reports
