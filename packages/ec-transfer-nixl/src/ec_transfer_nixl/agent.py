@@ -93,14 +93,22 @@ class RegionAgent:
 
         With an empty `notify` the peer is not notified, and the READ completes
         without waiting for the peer to poll NIXL (on the same host: one copy by
-        this process)."""
+        this process).
+
+        Raises only when nothing of the READ can still write: a READ whose post failed
+        but that NIXL will not release (part of it may have been posted) is returned
+        like any other, for the caller to watch until NIXL lets go of it."""
         local = self._agent.get_xfer_descs([(a, n, 0) for (a, n), _ in pieces], "DRAM")
         remote = self._agent.get_xfer_descs([(a, n, 0) for _, (a, n) in pieces], "DRAM")
         handle = self._agent.initialize_xfer("READ", local, remote, peer, notify)
-        state = self._agent.transfer(handle)
-        if state == "ERR":
-            self.release(handle)
-            raise RuntimeError(f"NIXL refused the READ from {peer}")
+        error: Exception | None = None
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # NIXL's bindings raise for a failed post
+            state, error = "ERR", exc
+        if state == "ERR" and self.release(handle):
+            why = f": {error}" if error is not None else ""
+            raise RuntimeError(f"NIXL refused the READ from {peer}{why}") from error
         return handle
 
     def state(self, handle: Any) -> str:
