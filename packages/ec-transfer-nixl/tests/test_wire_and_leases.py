@@ -543,3 +543,47 @@ def test_replays_are_refused_while_fresh_and_forgotten_after() -> None:
     fresh = seal(Lookup(9, later, "fp", [("a", 1, COLS)]), SECRET)
     assert replays.first(fresh, open_frame(fresh, SECRET, later), later)
     assert len(replays) == 1
+
+
+def test_a_frame_over_the_size_bound_never_reaches_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ZMQ holds a whole message in memory before its signature can be checked: any
+    host reaching the port could make the producer hold gigabytes. A sender past
+    MAX_FRAME_BYTES is dropped unread (here the bound is lowered to 64 KiB)."""
+    from ec_transfer_nixl import sockets
+
+    monkeypatch.setattr(sockets, "MAX_FRAME_BYTES", 64 << 10)
+    server, _, _, dealer = _serving()
+    endpoint = dealer.getsockopt(zmq.LAST_ENDPOINT).decode()
+    flooder = dealer.context.socket(zmq.DEALER)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.connect(endpoint)
+    try:
+        flooder.send(b"\0" * (128 << 10))
+        lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
+        dealer.send(seal(lookup, SECRET))
+        assert isinstance(open_frame(_answer(dealer), SECRET), Reply), "others are served"
+        time.sleep(NO_ANSWER_MS / 1000)  # the big frame, had it been taken, is in by now
+        assert server.counters.requests_denied == 0, "the oversized frame was read"
+    finally:
+        flooder.close(0)
+        assert server.stop()
+        dealer.close(0)
+
+
+def test_peer_sockets_bound_the_frames_they_take() -> None:
+    from ec_transfer_nixl.sockets import MAX_FRAME_BYTES, peer_socket
+
+    context = zmq.Context()
+    try:
+        for kind, address in ((zmq.ROUTER, "127.0.0.1:1"), (zmq.DEALER, "[::1]:1")):
+            sock = peer_socket(context, kind, PeerAddress.parse("test", address))
+            try:
+                assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME_BYTES
+                assert sock.getsockopt(zmq.LINGER) == 0
+                assert sock.getsockopt(zmq.IPV6) == (address.startswith("["))
+            finally:
+                sock.close(0)
+    finally:
+        context.term()

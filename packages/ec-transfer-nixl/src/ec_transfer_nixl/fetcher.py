@@ -51,6 +51,7 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span, paired_spans
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.leases import keys_by_lease
+from ec_transfer_nixl.sockets import peer_socket
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
     LAPSED,
@@ -413,11 +414,8 @@ class Fetcher:
                 self._drop_idle_links()
             sock = None
             try:
-                sock = self._context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
+                sock = peer_socket(self._context, zmq.DEALER, peer)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a peer not connected
-                if peer.is_ipv6:
-                    sock.setsockopt(zmq.IPV6, 1)
                 sock.connect(peer.endpoint)
                 link = _Link(sock)
             except zmq.ZMQError as exc:  # e.g. an address it cannot parse, or no sockets left

@@ -23,6 +23,7 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.leases import Leases, keys_by_lease
+from ec_transfer_nixl.sockets import peer_socket
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
     LAPSED,
@@ -142,10 +143,7 @@ class PeerServer:
     def _run(self) -> None:
         socket = None
         try:
-            socket = self._context.socket(zmq.ROUTER)
-            socket.setsockopt(zmq.LINGER, 0)
-            if self._listen.is_ipv6:
-                socket.setsockopt(zmq.IPV6, 1)
+            socket = peer_socket(self._context, zmq.ROUTER, self._listen)
             socket.bind(self._listen.endpoint)
             agent = self._make_agent()
         except BaseException as exc:
