@@ -587,3 +587,51 @@ def test_peer_sockets_bound_the_frames_they_take() -> None:
                 sock.close(0)
     finally:
         context.term()
+
+
+class _EndlessFlood:
+    """A ROUTER socket that always has another unsigned two-frame message queued (the
+    test's own stop: it runs dry after `limit` messages)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._frames = 0
+
+    def getsockopt(self, option: int) -> int:
+        if option == zmq.EVENTS:
+            return zmq.POLLIN if self.taken < self.limit else 0
+        assert option == zmq.RCVMORE
+        return int(self._frames % 2 == 1)  # the routing id has a body after it
+
+    def recv(self, flags: int = 0) -> bytes:
+        self._frames += 1
+        if self._frames % 2 == 0:
+            self.taken += 1
+            return b"\0" * 64  # not signed
+        return b"peer"
+
+
+def test_one_pass_of_the_server_ends_while_a_flood_lasts() -> None:
+    """Anyone reaching the port can send faster than signatures are checked: a pass
+    must end after BATCH_MAX messages (the rest wait for the next), so the thread
+    still answers consumers and lets leases expire between passes."""
+    from ec_transfer_nixl import server as server_module
+
+    _, local = _ready_entries(("a",))
+    server = PeerServer(
+        context=zmq.Context.instance(),
+        listen=PeerAddress("127.0.0.1", 1),
+        secret=SECRET,
+        fingerprint="fp",
+        local=local,
+        make_agent=lambda: None,  # type: ignore[arg-type,return-value]
+        spans=lambda runs, nbytes: [],
+        itemsize=ITEMSIZE,
+        lease_s=30.0,
+        counters=PeerCounters(),
+    )
+    flood = _EndlessFlood(limit=10 * server_module.BATCH_MAX)
+    server._serve(flood)  # type: ignore[arg-type]
+    assert flood.taken == server_module.BATCH_MAX
+    assert server.counters.requests_denied == server_module.BATCH_MAX

@@ -53,6 +53,10 @@ the same host the consumer copies by itself. A sleep in epoll, not a spin: a
 spinning thread would take a core from the engine's OpenMP threads."""
 IDLE_POLL_MS = 50
 ANSWER_TIMES_KEPT = 4096
+BATCH_MAX = 4096
+"""Messages one pass takes at most; the rest wait for the next pass. Anyone reaching
+the port can send faster than signatures are checked: without a bound, such a flood
+would keep the thread reading, answering nobody and letting no lease expire."""
 
 
 class PeerServer:
@@ -184,14 +188,17 @@ class PeerServer:
             leases.release_all()
 
     def _serve(self, socket: zmq.Socket[Any]) -> None:
-        """Take every message queued, and answer all its lookups together: one
-        acquisition of the scheduler's lock for the batch, the replies sent after."""
+        """Take the messages queued (BATCH_MAX at most), and answer all their lookups
+        together: one acquisition of the scheduler's lock for the batch, the replies
+        sent after."""
         began, began_cpu = time.perf_counter(), time.thread_time()
         recv = socket.recv
         received: list[tuple[bytes, bytes]] = []
         # EVENTS is read without letting go of the GIL; a recv that finds nothing would
         # let go of it (and wait to take it back) only to raise.
-        while int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        for _ in range(BATCH_MAX):
+            if not int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                break
             routing = recv(zmq.NOBLOCK)
             if not socket.getsockopt(zmq.RCVMORE):
                 continue  # a frame without a routing id: not a peer's message
