@@ -197,7 +197,10 @@ def test_bad_peers_mean_a_local_encode_and_one_warning_each(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
     """An incompatible producer (another embedding width), one with another secret, and an
-    address where nobody listens."""
+    address where nobody listens. The incompatible producer's answer is expected (missing
+    the default 1 s deadline on a loaded machine, it would never be logged), so the lookup
+    waits 30 s: slack for any load, while the two silent peers cost that deadline once
+    (then they are down) rather than PATIENT's 120 s."""
     other = str(build_tiny_blip2(tmp_path / "other-model", TinyBlip2(text_hidden=64)))
     incompatible = f"127.0.0.1:{_free_port()}"
     stranger = f"127.0.0.1:{_free_port()}"
@@ -206,7 +209,12 @@ def test_bad_peers_mean_a_local_encode_and_one_warning_each(
     b = _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=stranger)
     b.extra["ec_peer_secret"] = "a-different-secret-7"
     with serving(a), serving(b):
-        result = _consumer(model_dir, tmp_path / "c", ec_peers=[incompatible, stranger, nobody])
+        result = _consumer(
+            model_dir,
+            tmp_path / "c",
+            ec_peers=[incompatible, stranger, nobody],
+            **{**PATIENT, "ec_peer_lookup_timeout_s": 30.0},
+        )
     assert result["passes"] == [baseline[0]] and result["encoded_items"] == 10
     assert result["counters"]["totals"]["remote_hits"] == 0
     log = result["log"]

@@ -75,7 +75,9 @@ def run_fake_device_checks(
     box; on a device host the same script runs for real. `python` may be
     another interpreter (a torch-only venv); `out` is passed as `--out`.
     """
-    command = [python, str(script), "--fake", "--quick"]
+    # No time budget: on a slow or loaded machine the registration rows checked
+    # below would be skipped (the budget is for a device host's whole run).
+    command = [python, str(script), "--fake", "--quick", "--budget", "inf"]
     if out is not None:
         command += ["--out", str(out)]
     done = subprocess.run(

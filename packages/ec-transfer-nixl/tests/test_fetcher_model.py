@@ -360,8 +360,8 @@ class FetchMachine(RuleBasedStateMachine):
     @invariant()
     def past_their_deadline_tasks_are_done(self) -> None:
         for task in self.tasks:
-            if _now[0] > task.deadline and task not in self.fetcher._tasks:
-                assert task.done
+            if _now[0] > task.deadline:
+                assert task.done, f"{task.request_id} is open past its deadline"
 
     def teardown(self) -> None:
         for read in self.agent.reads:

@@ -331,6 +331,12 @@ def _between_passes(fetcher: Any) -> Iterator[None]:
             fetcher._loop_once = one_pass
 
 
+HANDLE_LEASES = {"ec_peer_handle_lease_s": WAIT_S, "ec_peer_lease_s": 2 * WAIT_S}
+"""A producer whose handles a test expects read at once: a handle within
+HANDLE_TTL_MARGIN_S of its end is looked up instead, so a short lease would let a
+loaded machine's slow steps decide how it is fetched."""
+
+
 def _handle_of(producer: Engine, item: Item) -> dict[str, Any]:
     _, params = producer.scheduler.request_finished(make_request(f"done-{item.identifier}", [item]))
     assert params is not None and "lease" in params["ec_cpu_tier"]
@@ -343,7 +349,7 @@ def test_a_handle_lease_is_read_at_once_by_a_consumer_that_knows_the_producer(
     """The READ starts before any answer; the claim confirms the lease; the bytes land.
     Then a handle claimed already, one signed with another secret and one whose lease
     expired: each is looked up as usual, and lands correct."""
-    producer, consumer, _ = _pair(make_engine, producer={"ec_peer_handle_lease_s": 10}, **PATIENT)
+    producer, consumer, _ = _pair(make_engine, producer=HANDLE_LEASES, **PATIENT)
     first, item = Item("img-first", 4), Item("img-fast", 6)
     producer.save(first, item)
     consumer.wait_available(make_request("r0", [first]))  # learns the producer's agent
@@ -393,7 +399,7 @@ def test_a_steps_handles_are_read_with_one_read_and_one_lapsed_lease_is_looked_u
     producer: one claim and one READ for all of them. One of the leases was claimed
     before (by another request): its bytes are dropped and its item looked up; every
     item lands correct, and the producer ends with nothing pinned."""
-    producer, consumer, _ = _pair(make_engine, producer={"ec_peer_handle_lease_s": 10}, **PATIENT)
+    producer, consumer, _ = _pair(make_engine, producer=HANDLE_LEASES, **PATIENT)
     first = Item("img-warm", 4)
     items = [Item(f"img-batch-{i}", 3 + i) for i in range(4)]
     producer.save(first, *items)
@@ -575,13 +581,24 @@ def test_a_peer_still_saving_at_the_lookup_deadline_is_not_taken_for_down(
     make_engine: Callable[..., Engine],
 ) -> None:
     """An item still being saved when the lookup deadline passes is encoded here
-    (cause not_ready); the peer answered, so it is asked again for the next item."""
+    (cause not_ready); the peer answered, so it is asked again for the next item.
+
+    The deadline is moved to now once the consumer has heard "saving": a lookup
+    timeout short enough to pass during the test would also make a reply slowed
+    by a loaded machine miss it (an `unreachable` fallback, the peer marked down)."""
     address = f"127.0.0.1:{_free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
-    consumer = make_engine("ec_consumer", ec_peers=[address], ec_peer_lookup_timeout_s=5)
+    consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     item = Item("img-slow", 4)
     meta = StepDriver(producer.scheduler).step([make_request("save", [item])]).meta
-    consumer.wait_available(make_request("r1", [item]))  # the save never lands in time
+    first = make_request("r1", [item])
+    assert not consumer.scheduler.ensure_cache_available(first, 0)
+    consumer.scheduler.build_connector_meta(scheduler_output(0))  # hands the task over
+    task = consumer.scheduler.remote._tasks["r1"]  # type: ignore[union-attr]
+    _wait_for(lambda: bool(task.items["img-slow"].heard))  # the peer answered "saving"
+    assert not task.done, "still waiting for the save"
+    task.lookup_deadline = time.monotonic()  # the save never lands in time
+    consumer.wait_available(first)
     assert _fallbacks(consumer) == {"not_ready": 1}
     producer.run_step(meta)
     request = make_request("r2", [item])

@@ -435,6 +435,17 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
     the bytes until then); the server thread ending on an unexpected error must not
     hand those pins back early, else the entry is evicted and overwritten mid-READ."""
     server, agent, allocator, dealer = _serving()
+    waiting = threading.Event()
+
+    class Stop(threading.Event):
+        """The thread's stop event; a `wait` on it is the thread holding the pins
+        until the leases expire (or the engine stops), after the error."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    server._stop = Stop()
     try:
         lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(lookup, SECRET))
@@ -442,11 +453,13 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
         assert isinstance(reply, Reply) and reply.results[0][1] == OK and reply.lease
         assert allocator.num_held_entries == 1
         agent.fail = True
+        # Past the error's clean-up: waiting for the lease, or (were the pins handed
+        # back early) ended. A fixed sleep would let a slow thread pass unchecked.
         deadline = time.monotonic() + WAIT_S
-        while not server._stopped and time.monotonic() < deadline:
+        while not (waiting.is_set() or not server._thread.is_alive()):
+            assert time.monotonic() < deadline, "the server thread did not stop on the error"
             time.sleep(0.01)
         assert server._stopped, "the server thread stopped on the error"
-        time.sleep(0.2)
         assert allocator.num_held_entries == 1, "the lease's 30 s are not over: still pinned"
         lookup2 = Lookup(nonce=2, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(lookup2, SECRET))
