@@ -164,8 +164,11 @@ def _serve(
     workloads: list[Workload],
     urls: list[str],
     concurrency: int,
+    record: bool = False,
     plot: Path | None = None,
 ) -> tuple[float, dict[str, Outcome]]:
+    """Start one server, run the workloads, stop it. With `record`, /metrics is sampled
+    every second while they run (`plot`: drawn into that SVG)."""
     port = serving.free_port()
     template = serving.write_template(work)
     log_path = work / f"{label}.log"
@@ -190,7 +193,9 @@ def _serve(
                 raise
             ready_s = time.perf_counter() - began
             print(f"  {label}: ready in {ready_s:.0f} s", flush=True)
-            recorder = metrics_plot.Recorder(port) if plot is not None else None
+            # A scrape is work the server does while the timed requests run: both sides
+            # are sampled alike (`record`), only the with-tier side is drawn (`plot`).
+            recorder = metrics_plot.Recorder(port) if record else None
             if recorder is not None:
                 recorder.__enter__()
             for workload in workloads:
@@ -202,8 +207,9 @@ def _serve(
                 outcome.metrics = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                 results[workload.name] = outcome
                 print(f"  {label}: {workload.name} done in {outcome.seconds:.1f} s", flush=True)
-            if recorder is not None and plot is not None:
+            if recorder is not None:
                 recorder.__exit__()
+            if recorder is not None and plot is not None:
                 metrics_plot.render_svg(
                     recorder.samples,
                     metrics_plot.serving_panels(),
@@ -230,7 +236,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", default=str(ROOT / "build" / "bench" / REALISTIC.tag()))
     parser.add_argument(
-        "--plot", type=Path, help="write an SVG of the with-tier server's metrics over the run"
+        "--plot",
+        type=Path,
+        help="write an SVG of the with-tier server's metrics over the run (both servers "
+        "are sampled alike)",
     )
     args = parser.parse_args()
     serving.exit_on_termination()  # so that `finally` stops the servers
@@ -256,6 +265,7 @@ def main() -> None:
             workloads=workloads,
             urls=urls,
             concurrency=args.concurrency,
+            record=args.plot is not None,
             plot=args.plot if role == "ec_both" else None,
         )
 
