@@ -180,6 +180,11 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5, help="passes over them (default 5)")
     parser.add_argument("--model-dir", default=str(ROOT / "build" / "demo" / REALISTIC.tag()))
     args = parser.parse_args()
+    # Refused before the engines start (minutes): the table times the repeat passes.
+    if args.images < 1:
+        parser.error("--images must be at least 1")
+    if args.passes < 2:
+        parser.error("--passes must be at least 2: pass 1 is cold, the repeat passes are compared")
     images = list(range(args.images))
     passes = [images] + [images[::-1] if p % 2 else images for p in range(1, args.passes)]
     with Ticker() as ticker:
