@@ -24,8 +24,9 @@ repeats miss it.
 Reported side by side, per workload: time to first token p50/p99 (first
 streamed content), requests per second, encoder runs, bytes the tier moved,
 and whether the answers (greedy) are equal. Encoder runs come from the tier's
-counters: vLLM asks the connector (`lookups`) exactly when its own encoder
-cache misses, so runs = lookups - region hits. For the server without the tier
+counters: the tier counts each item vLLM schedules that its own encoder cache
+lacked (`lookups`, once per item however long its request waited), so runs =
+lookups - region hits. For the server without the tier
 that needs a connector too: it gets the tier as an `ec_consumer` with no peers,
 which never saves and so never hits: it only counts. Warm-up requests (other
 images) run before each measured workload.

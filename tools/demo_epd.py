@@ -227,8 +227,8 @@ def _print_table(
         key = f"vllm:ec_cpu_{name}_total"
         return end.get(key, 0.0) - start.get(key, 0.0)
 
-    # Encoder runs as measured on both sides, as bench-serve counts them: vLLM asks the
-    # connector exactly when its own encoder cache misses, so runs = lookups - region hits.
+    # Encoder runs as measured on both sides, as bench-serve counts them: the tier counts
+    # each scheduled item vLLM's own cache lacked, so runs = lookups - region hits.
     runs = delta("lookups") - delta("hits")
     alone_runs = delta("lookups", alone_before, alone_after) - delta(
         "hits", alone_before, alone_after

@@ -435,6 +435,30 @@ def test_fm1_unscheduled_promise_is_released_at_step_end(make_scheduler: Schedul
     assert entry is not None and entry.pins == 0 and entry.evictable
 
 
+def test_an_item_whose_request_waits_is_counted_and_learned_once(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """vLLM looks a waiting request's items up again every step (no KV blocks for it
+    yet, say): the hit (encoder run avoided), the miss (encoder run) and the policy's
+    request count come once, when vLLM schedules the item."""
+    scheduler = make_scheduler(blocks=16)
+    _save_and_report(scheduler, Item("y"))
+    counters, sketch = scheduler.counters, scheduler.allocator.policy.sketch  # type: ignore[attr-defined]
+    lookups, hits, seen = counters.lookups, counters.hits, sketch.estimate("y")
+    driver = StepDriver(scheduler)
+    waiting = make_request("r", [Item("y"), Item("n")])
+    for _ in range(3):  # looked up, not scheduled
+        result = driver.step([waiting], skip_alloc=["r"])
+        assert result.looked_up == {"y": True, "n": False} and not result.meta.loads
+    assert (counters.lookups, counters.hits, sketch.estimate("y")) == (lookups, hits, seen)
+    meta = driver.step([waiting]).meta
+    assert "y" in meta.loads and "n" in meta.saves
+    assert (counters.lookups, counters.hits) == (lookups + 2, hits + 1)
+    assert sketch.estimate("y") == seen + 1 and sketch.estimate("n") == 1
+    stats = scheduler.stat_totals()
+    assert stats["misses"] == stats["lookups"] - stats["hits"]
+
+
 @pytest.mark.parametrize(
     ("item", "counter", "needle"),
     [

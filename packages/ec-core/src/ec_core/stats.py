@@ -27,9 +27,10 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 PREFIX = "vllm:ec_cpu_"
 
 COUNTERS: dict[str, str] = {
-    "lookups": "Lookups of encoder outputs in the CPU region (vLLM's own cache missed)",
-    "hits": "Lookups answered from the CPU region (encoder runs avoided)",
-    "misses": "Lookups the CPU region could not answer",
+    "lookups": "Items scheduled that vLLM's own encoder cache lacked (each once, however long "
+    "its request waited)",
+    "hits": "Of those, loaded from the CPU region (encoder runs avoided)",
+    "misses": "Of those, encoded (the CPU region could not answer)",
     "saves": "Encoder outputs written to the CPU region",
     "loads": "Encoder outputs loaded back from the CPU region",
     "saves_failed": "Saves a worker could not perform",

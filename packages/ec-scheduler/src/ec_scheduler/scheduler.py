@@ -202,6 +202,10 @@ class ECCPUScheduler:
         the step, a save of another item of the same request included, can evict
         it before its load is dispatched. `build_connector_meta` releases the
         promises vLLM did not take up.
+
+        Nothing is counted here, and the policy is not told: vLLM asks again every
+        step while a request waits (for KV blocks, say), so an item is counted once,
+        when vLLM schedules it (`update_state_after_alloc`).
         """
         # The hot methods take the lock inline rather than through `_locked`:
         # vLLM calls them once per item, and the wrapper's frame is a measurable
@@ -211,10 +215,7 @@ class ECCPUScheduler:
                 return False
             if identifier in self._promised or identifier in self._pending_loads:
                 return True
-            counters = self.counters
-            counters.lookups += 1
             allocator = self.allocator
-            allocator.policy.on_request(identifier)  # `note_request`
             entry = allocator.get(identifier)
             if entry is None or not entry.ready or identifier in self._stale:
                 return False
@@ -222,7 +223,6 @@ class ECCPUScheduler:
             # evict it before update_state_after_alloc dispatches the load.
             allocator.pin_entry(entry)
             self._promised.add(identifier)
-            counters.hits += 1
             return True
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -321,6 +321,10 @@ class ECCPUScheduler:
         cannot be saved: larger than the region, no embeddings, or a modality
         without a measured width (one warning per kind), or a region full of held
         entries (counted). Never raises for an item.
+
+        On a consumer, this is where an item vLLM's own cache lacked is counted (a
+        lookup, and a hit when it is loaded) and told to the policy: once per item
+        vLLM schedules, however many steps its request waited before.
         """
         with self.lock:
             if self._shut_down:
@@ -329,9 +333,14 @@ class ECCPUScheduler:
             key = feature.identifier
             if key in self._pending_loads:
                 return  # the same item of another request in this step: one load serves both
-            if key in self._promised:
-                self._dispatch_load(key)
-                return
+            if self.is_consumer:
+                counters = self.counters
+                counters.lookups += 1
+                self.allocator.policy.on_request(key)  # `note_request`
+                if key in self._promised:
+                    counters.hits += 1
+                    self._dispatch_load(key)
+                    return
             if self.is_producer and key not in self.allocator:
                 self._allocate_save(feature)
 
