@@ -246,6 +246,46 @@ def test_pool_keeps_at_most_its_idle_limit() -> None:
     assert pool.idle_bytes == 0
 
 
+def test_a_load_finds_host_memory_the_pool_held_idle(
+    config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host memory runs out while the pool keeps idle buffers of another size: they are
+    freed and the load gets its buffer, instead of failing twice (batched path and
+    fallback both ask the pool) and taking the engine down with an ECCPULoadError."""
+    from ec_worker_cpu import worker as cpu_worker
+
+    worker = _SmallPooledWorker(config, rank_info=RankInfo(0, True))
+    try:
+        rows = 2 * POOLED // (WIDTH * 4)  # another size class than the idle buffers
+        data = torch.randn(rows, WIDTH)
+        blocks = list(range(rows * WIDTH * 4 // worker.block_size))
+        meta = save_meta({"k": (blocks, data)})
+        worker.bind(meta)
+        worker.save_caches({"k": data}, "k", meta)
+        worker.get_finished()
+        worker.build_connector_worker_meta()
+        idle = [worker.load_pool.take(POOLED, torch.uint8) for _ in range(3)]
+        del idle
+        gc.collect()
+        assert worker.load_pool.idle_bytes > 0
+
+        class _Exhausted(cpu_worker._Buffer):
+            def __init__(self, size: int) -> None:
+                if worker.load_pool.idle_bytes:  # the memory idle buffers hold is missing
+                    raise RuntimeError("injected: DefaultCPUAllocator: not enough memory")
+                super().__init__(size)
+
+        monkeypatch.setattr(cpu_worker, "_Buffer", _Exhausted)
+        cache: dict[str, torch.Tensor] = {}
+        load = ECCPUConnectorMetadata(loads={"k": (0, blocks, (rows, WIDTH))})
+        worker.bind(load)
+        worker.start_load_caches(cache, load)
+        assert torch.equal(cache["k"], data)
+        assert worker.load_pool.idle_bytes == 0
+    finally:
+        worker.shutdown()
+
+
 def test_pool_takes_buffers_freed_on_other_threads_and_after_close() -> None:
     pool = LoadBufferPool(idle_limit=8 << 20, min_bytes=POOLED)
     held = [pool.take(POOLED, torch.uint8) for _ in range(4)]

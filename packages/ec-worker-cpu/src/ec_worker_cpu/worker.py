@@ -146,7 +146,9 @@ class LoadBufferPool:
       * a buffer freed on another thread, or while `take` runs, is only queued;
         it is never handed out twice and never waits on a lock;
       * after `close` nothing is kept: idle buffers are freed at once and lent
-        ones when their entries are.
+        ones when their entries are;
+      * a fresh buffer that cannot be allocated (host memory exhausted) is tried
+        once more after the idle buffers are freed.
     """
 
     def __init__(self, idle_limit: int, min_bytes: int = _POOL_MIN_BYTES) -> None:
@@ -198,7 +200,7 @@ class LoadBufferPool:
                 del self._idle[buffer]
                 self._idle_bytes -= size
         if buffer is None:
-            buffer = _Buffer(size)
+            buffer = self._fresh(size)
             self.fresh += 1
         array = np.ndarray(shape, built_as, buffer.window)
         tensor = torch.from_numpy(array)  # its storage holds `array`, and nothing else does
@@ -207,6 +209,21 @@ class LoadBufferPool:
         loan = weakref.ref(array, self._on_free)
         self._lent[id(loan)] = (loan, buffer)
         return tensor
+
+    def _fresh(self, size: int) -> _Buffer:
+        """A new buffer of `size`; when host memory runs out, the idle buffers are
+        freed and it is tried once more (the memory they hold is what is missing, and
+        the load would otherwise fail, its fallback included)."""
+        try:
+            return _Buffer(size)
+        except (MemoryError, RuntimeError):  # torch's CPU allocator raises RuntimeError
+            with self._lock:
+                if not self._idle_bytes:
+                    raise
+                self._free.clear()
+                self._idle.clear()
+                self._idle_bytes = 0
+        return _Buffer(size)
 
     def _on_free(self, loan: weakref.ref[np.ndarray[Any, Any]]) -> None:
         """The storage over a lent buffer was freed (any thread, maybe inside `take`)."""
