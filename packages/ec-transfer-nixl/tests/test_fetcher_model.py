@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+import zmq
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -81,12 +83,13 @@ LOOKUP_S, FETCH_S, LEASE_S = 1.0, 4.0, 30.0
 class FakeSocket:
     def __init__(self) -> None:
         self.sent: list[Any] = []
+        self.closed = False
 
     def send(self, frame: bytes, flags: int = 0) -> None:
         self.sent.append(open_frame(frame, SECRET))
 
     def close(self, linger: int = 0) -> None:
-        return None
+        self.closed = True
 
 
 _now = [1000.0]
@@ -1110,3 +1113,22 @@ def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_setting
         fetcher._tick(_now[0])
         assert task.items[KEYS[0]].outcome == "landed", (fetch_s, lease_s)
     assert accepted >= 2
+
+
+def test_a_shutdown_that_fails_part_way_still_closes_every_socket() -> None:
+    """The thread's last act: a Release that cannot be sent (a ZMQ error other than
+    EAGAIN) must not leave the links' sockets open, or the context's term() in the
+    source's shutdown waits for them forever and the engine never stops."""
+    machine = FetchMachine()
+    fetcher = machine.fetcher
+    closed_agent: list[bool] = []
+    fetcher.agent.close = lambda: closed_agent.append(True)  # type: ignore[method-assign]
+
+    def send_fails() -> None:
+        raise zmq.ZMQError(zmq.EHOSTUNREACH, "a Release could not be sent")
+
+    fetcher._flush_releases = send_fails  # type: ignore[method-assign]
+    with pytest.raises(zmq.ZMQError):
+        fetcher._shutdown()
+    assert all(sock.closed for sock in machine.sockets.values())
+    assert closed_agent == [True]

@@ -1021,26 +1021,30 @@ class Fetcher:
             self._on_failed(item.wanted.key, outcome)
 
     def _shutdown(self) -> None:
-        # Tasks handed over or staged but never taken on fail with the open ones.
-        self._tasks.extend(self._take_tasks(all_staged=True))
-        for group in list(self._reads):
-            self._give_up(group)
-        for group in list(self._awaiting):
-            self._awaiting.remove(group)
-            self._free(group)
-            for item in group.items:
-                item.reading = None
-        for task in self._tasks:
-            for item in task.items.values():
-                if item.outcome is None:
-                    self._finish(item, "timeout")
-            task.done = True
-        self._tasks.clear()
-        self._flush_releases()
-        for link in self._links.values():
-            if link.socket is not None:
-                link.socket.close(0)
-        self.agent.close()
+        try:
+            # Tasks handed over or staged but never taken on fail with the open ones.
+            self._tasks.extend(self._take_tasks(all_staged=True))
+            for group in list(self._reads):
+                self._give_up(group)
+            for group in list(self._awaiting):
+                self._awaiting.remove(group)
+                self._free(group)
+                for item in group.items:
+                    item.reading = None
+            for task in self._tasks:
+                for item in task.items.values():
+                    if item.outcome is None:
+                        self._finish(item, "timeout")
+                task.done = True
+            self._tasks.clear()
+            self._flush_releases()
+        finally:
+            # Whatever failed above: a socket left open would hang the context's
+            # term(), and with it the engine's shutdown.
+            for link in self._links.values():
+                if link.socket is not None:
+                    link.socket.close(0)
+            self.agent.close()
 
 
 def _holds(spans: list[tuple[int, int]], nbytes: int) -> bool:
