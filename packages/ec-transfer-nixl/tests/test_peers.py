@@ -678,3 +678,24 @@ def test_no_transport_module_is_imported_without_peer_keys(
     probe += "('zmq', 'msgspec', 'nixl', 'nixl_cu12', 'torch', 'vllm')))"
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_peer_thread_that_does_not_stop_keeps_the_region_mapped(
+    make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
+) -> None:
+    """A thread that did not stop in time may still have NIXL READ into (or serve from)
+    the region: unmapping it then could crash the process, so the mapping stays until
+    the process exits, and the operator is told."""
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    source = consumer.scheduler.remote
+    fetcher = _fetcher(consumer)
+    stop = fetcher.stop
+    fetcher.stop = lambda: False  # type: ignore[method-assign]  # hung past its 10 s
+    try:
+        consumer.scheduler.shutdown()
+        assert not source._region.closed, "unmapped under a thread that may still use it"
+        assert any("did not stop in time" in r.getMessage() for r in ec_log.records)
+    finally:
+        assert stop()
+        source._context.term()
+        source._region.cleanup()

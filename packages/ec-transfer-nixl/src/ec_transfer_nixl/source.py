@@ -366,9 +366,17 @@ class NixlRemoteSource:
         if self.server is not None:
             threads_done &= self.server.stop()
         self._local.closed = True
-        if threads_done:  # term() would wait for sockets a hung thread still holds
+        if threads_done:
             self._context.term()
-        self._region.cleanup()
+            self._region.cleanup()
+            return
+        # term() would wait for sockets the hung thread still holds, and its NIXL agent
+        # may still READ into or serve from the region: unmapped under it, the process
+        # would crash. Both stay until the process exits.
+        logger.warning(
+            "EC CPU tier: a peer thread did not stop in time; its sockets and the region's "
+            "mapping are left to the process's exit"
+        )
 
 
 def _lease_fields(handle: dict[str, Any], lease: dict[str, Any]) -> dict[str, Any]:
