@@ -699,3 +699,23 @@ def test_a_peer_thread_that_does_not_stop_keeps_the_region_mapped(
         assert stop()
         source._context.term()
         source._region.cleanup()
+
+
+def test_a_read_nixl_never_released_keeps_the_region_mapped(
+    make_engine: Callable[..., Engine],
+    ec_log: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A READ still quarantined when the fetcher stops (NIXL would not let go of it) may
+    still write into the region: the source's shutdown leaves the mapping alone."""
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    source = consumer.scheduler.remote
+    fetcher = _fetcher(consumer)
+    monkeypatch.setattr(type(fetcher), "quarantined", property(lambda self: 1))
+    try:
+        consumer.scheduler.shutdown()
+        assert not fetcher._thread.is_alive()
+        assert not source._region.closed, "unmapped under a READ NIXL still holds"
+        assert any("1 READ(s) NIXL never released" in r.getMessage() for r in ec_log.records)
+    finally:
+        source._region.cleanup()

@@ -368,14 +368,19 @@ class NixlRemoteSource:
         self._local.closed = True
         if threads_done:
             self._context.term()
+        quarantined = self.fetcher.quarantined if self.fetcher is not None else 0
+        if threads_done and not quarantined:
             self._region.cleanup()
             return
-        # term() would wait for sockets the hung thread still holds, and its NIXL agent
-        # may still READ into or serve from the region: unmapped under it, the process
-        # would crash. Both stay until the process exits.
+        # A hung thread's NIXL agent may still READ into or serve from the region, and so
+        # may a READ NIXL never released (quarantined): unmapped under it, the process
+        # would crash. The mapping (and a hung thread's sockets, which term() would wait
+        # for) stay until the process exits.
         logger.warning(
-            "EC CPU tier: a peer thread did not stop in time; its sockets and the region's "
-            "mapping are left to the process's exit"
+            "EC CPU tier: %s; the region's mapping is left to the process's exit",
+            "a peer thread did not stop in time"
+            if not threads_done
+            else f"{quarantined} READ(s) NIXL never released",
         )
 
 
