@@ -11,9 +11,10 @@ class SchedulerCounters:
     """How often each scheduler decision happened (monotonic counts)."""
 
     lookups: int = 0
-    """`has_cache_item` calls on a consumer."""
+    """Items a consumer was asked to provide and vLLM then scheduled, each once
+    (counted in `update_state_after_alloc`, however often `has_cache_item` was asked)."""
     hits: int = 0
-    """Lookups answered True (the item will be loaded)."""
+    """Lookups loaded from the region (the item's load was dispatched)."""
     loads_dispatched: int = 0
     loads_completed: int = 0
     """Loads every live rank finished (reported, or moved past)."""

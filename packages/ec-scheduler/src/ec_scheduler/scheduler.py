@@ -400,7 +400,7 @@ class ECCPUScheduler:
             )
             return
         if not self.is_consumer:
-            self.allocator.note_request(key)  # a consumer counted it at the lookup
+            self.allocator.note_request(key)  # a consumer counted it in update_state_after_alloc
         entry = self.allocator.alloc(key, blocks, (rows, width))
         if entry is None:
             if self.allocator.last_refusal == "admission":

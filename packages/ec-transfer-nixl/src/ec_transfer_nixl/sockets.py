@@ -22,8 +22,9 @@ items, each entry in many runs) are a few MiB."""
 
 def peer_socket(context: zmq.Context[Any], kind: int, address: PeerAddress) -> zmq.Socket[Any]:
     """A socket of `kind` for talking to peers at (or listening on) `address`, not yet
-    bound or connected: it drops nothing queued when closed (LINGER 0), refuses
-    messages over MAX_FRAME_BYTES, and speaks IPv6 when the address is IPv6."""
+    bound or connected: it discards what is still queued when closed (LINGER 0, so
+    closing never blocks), refuses messages over MAX_FRAME_BYTES, and speaks IPv6
+    when the address is IPv6."""
     sock: zmq.Socket[Any] = context.socket(kind)
     try:
         sock.setsockopt(zmq.LINGER, 0)

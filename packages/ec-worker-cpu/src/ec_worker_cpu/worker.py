@@ -218,6 +218,7 @@ class LoadBufferPool:
             return _Buffer(size)
         except (MemoryError, RuntimeError):  # torch's CPU allocator raises RuntimeError
             with self._lock:
+                self._settle()  # buffers freed meanwhile count too
                 if not self._idle_bytes:
                     raise
                 self._free.clear()

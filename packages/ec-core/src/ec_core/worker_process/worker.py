@@ -334,7 +334,7 @@ class ECCPUWorker(WorkerHooks):
                 return
         try:
             data = source.contiguous()
-        except Exception as exc:  # a strided output's copy found no device memory
+        except RuntimeError as exc:  # a strided output's copy found no device memory
             self._fail_save(mm_hash, self._step, f"cannot make a contiguous copy of it: {exc}")
             return
         self._pending_saves.append(PendingSave(mm_hash, self._step, data, block_ids, nbytes, runs))
