@@ -221,9 +221,7 @@ class LoadBufferPool:
                 self._settle()  # buffers freed meanwhile count too
                 if not self._idle_bytes:
                     raise
-                self._free.clear()
-                self._idle.clear()
-                self._idle_bytes = 0
+                self._drop_idle()
         return _Buffer(size)
 
     def _on_free(self, loan: weakref.ref[np.ndarray[Any, Any]]) -> None:
@@ -267,9 +265,13 @@ class LoadBufferPool:
         with self._lock:
             self._closed = True
             self._returned.clear()
-            self._free.clear()
-            self._idle.clear()
-            self._idle_bytes = 0
+            self._drop_idle()
+
+    def _drop_idle(self) -> None:
+        """Forget every idle buffer (lock held): each is freed with its last reference."""
+        self._free.clear()
+        self._idle.clear()
+        self._idle_bytes = 0
 
 
 class CpuECCPUWorker(ECCPUWorker):
