@@ -373,12 +373,8 @@ def test_a_save_whose_contiguous_copy_fails_is_skipped_not_raised(
     the save is skipped and reported failed (the entry is encoded again later)."""
     worker.region.blocks[:2].fill_(5)
     strided = torch.randn(WIDTH, 2).t().as_subclass(_NoMemoryForACopy)
-    meta = ECCPUConnectorMetadata(saves={"s": [0, 1]}, save_shapes={"s": (2, WIDTH)}, step=4)
-    worker.bind(meta)
-    worker.save_caches({"s": strided}, "s", meta)
-    worker.get_finished()
-    report = worker.build_connector_worker_meta()
-    assert report.failed_saves == [(0, 4, "s")] and report.completed_saves == []
+    report = _step_save(worker, {"s": [0, 1]}, {"s": strided})
+    assert report.failed_saves == [(0, 0, "s")] and report.completed_saves == []
     assert torch.all(worker.region.blocks[:2] == 5), "nothing may be written"
     assert any("contiguous copy" in r.getMessage() for r in ec_log.records)
 

@@ -681,6 +681,18 @@ def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
     assert not machine.allocator.has_held_entries()
 
 
+def _asked(machine: FetchMachine, task: FetchTask) -> Lookup:
+    """Start `task` and run one pass: the Lookup it sent to the first peer."""
+    machine.fetcher._begin(task)
+    machine.fetcher._tick(_now[0])
+    return next(m for m in machine.sockets[PEERS[0]].sent if isinstance(m, Lookup))
+
+
+def _ready_in_one_span(machine: FetchMachine, lookup: Lookup) -> Reply:
+    """The first peer's answer to `lookup`: KEYS[0] ready, in one span, sent now."""
+    return machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+
+
 def _task(request_id: str, key: str) -> FetchTask:
     return FetchTask(
         request_id=request_id,
@@ -760,11 +772,9 @@ def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease(
     fetcher, peer = machine.fetcher, PEERS[0]
     task = _task("r0", KEYS[0])
     task.deadline = _now[0] + 10
-    fetcher._begin(task)
-    fetcher._tick(_now[0])
     sent = _now[0]
-    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
-    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    lookup = _asked(machine, task)
+    reply = _ready_in_one_span(machine, lookup)
     # This producer's ec_peer_lease_s: its pins went at sent + 3 s at the latest.
     reply.lease_s = 3.0
     _now[0] += 2.0  # the thread took the reply off the socket 2 s after it was sent (busy host)
@@ -855,15 +865,13 @@ def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() 
     machine = FetchMachine()
     fetcher, peer = machine.fetcher, PEERS[0]
     task = _task("r0", KEYS[0])
-    fetcher._begin(task)
-    fetcher._tick(_now[0])
-    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
+    lookup = _asked(machine, task)
     _now[0] += LOOKUP_S + 0.1
     fetcher._tick(_now[0])
     assert task.done and not fetcher._pending, "given up: nothing open on the link"
     fetcher._drop_idle_links()
     assert peer in fetcher._links, "asked lately: kept for a late reply"
-    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    reply = _ready_in_one_span(machine, lookup)
     fetcher._apply(fetcher._links[peer], reply)
     release = machine.sockets[peer].sent[-1]
     assert isinstance(release, Release) and release.keys == [KEYS[0]], "the late lease goes"
@@ -878,10 +886,8 @@ def test_a_failed_read_nixl_still_holds_keeps_its_blocks_until_nixl_lets_go() ->
     machine = FetchMachine()
     fetcher, allocator, peer = machine.fetcher, machine.allocator, PEERS[0]
     task = _task("r0", KEYS[0])
-    fetcher._begin(task)
-    fetcher._tick(_now[0])
-    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
-    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    lookup = _asked(machine, task)
+    reply = _ready_in_one_span(machine, lookup)
     fetcher._apply(fetcher._links[peer], reply)
     (read,) = machine.agent.running()
     machine.agent.refuse_release_after_error = True
@@ -1056,10 +1062,8 @@ def test_a_read_whose_post_fails_but_that_nixl_keeps_holds_its_blocks_until_nixl
     agent._agent, agent.name, agent.metadata, agent._known = nixl, "consumer", b"md", {}
     fetcher.agent = agent
     task = _task("r0", KEYS[0])
-    fetcher._begin(task)
-    fetcher._tick(_now[0])
-    lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
-    reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+    lookup = _asked(machine, task)
+    reply = _ready_in_one_span(machine, lookup)
     fetcher._apply(fetcher._links[peer], reply)
     fetcher._tick(_now[0])
     assert task.done and task.items[KEYS[0]].outcome != "landed"
@@ -1101,10 +1105,8 @@ def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_setting
         fetcher, peer = machine.fetcher, PEERS[0]
         task = _task("r0", KEYS[0])
         task.deadline = _now[0] + peers.fetch_timeout_s
-        fetcher._begin(task)
-        fetcher._tick(_now[0])
-        lookup = next(m for m in machine.sockets[peer].sent if isinstance(m, Lookup))
-        reply = machine._reply(lookup, status=OK, results=[(KEYS[0], OK, [(0, COLS * ITEMSIZE)])])
+        lookup = _asked(machine, task)
+        reply = _ready_in_one_span(machine, lookup)
         reply.lease_s = peers.lease_s
         fetcher._apply(fetcher._links[peer], reply)
         (read,) = machine.agent.running()

@@ -257,13 +257,7 @@ def test_a_load_finds_host_memory_the_pool_held_idle(
     worker = _SmallPooledWorker(config, rank_info=RankInfo(0, True))
     try:
         rows = 2 * POOLED // (WIDTH * 4)  # another size class than the idle buffers
-        data = torch.randn(rows, WIDTH)
-        blocks = list(range(rows * WIDTH * 4 // worker.block_size))
-        meta = save_meta({"k": (blocks, data)})
-        worker.bind(meta)
-        worker.save_caches({"k": data}, "k", meta)
-        worker.get_finished()
-        worker.build_connector_worker_meta()
+        data, blocks = _saved(worker, rows)
         idle = [worker.load_pool.take(POOLED, torch.uint8) for _ in range(3)]
         del idle
         gc.collect()
@@ -337,6 +331,18 @@ def test_size_classes_waste_at_most_an_eighth() -> None:
         assert size <= max(nbytes * 9 // 8, 16 * mmap.PAGESIZE) + mmap.PAGESIZE
 
 
+def _saved(worker: CpuECCPUWorker, rows: int) -> tuple[torch.Tensor, list[int]]:
+    """One step saving a random `rows x WIDTH` entry "k" from block 0: its data and blocks."""
+    data = torch.randn(rows, WIDTH)
+    blocks = list(range(rows * WIDTH * 4 // worker.block_size))
+    meta = save_meta({"k": (blocks, data)})
+    worker.bind(meta)
+    worker.save_caches({"k": data}, "k", meta)
+    worker.get_finished()
+    worker.build_connector_worker_meta()
+    return data, blocks
+
+
 class _SmallPooledWorker(CpuECCPUWorker):
     load_pool_min_bytes = POOLED
 
@@ -347,13 +353,7 @@ def test_loads_recycle_the_buffers_of_entries_vllm_freed(config: Any) -> None:
     rows = POOLED // (WIDTH * 4)
     worker = _SmallPooledWorker(config, rank_info=RankInfo(0, True))
     try:
-        data = torch.randn(rows, WIDTH)
-        blocks = list(range(rows * WIDTH * 4 // worker.block_size))
-        meta = save_meta({"k": (blocks, data)})
-        worker.bind(meta)
-        worker.save_caches({"k": data}, "k", meta)
-        worker.get_finished()
-        worker.build_connector_worker_meta()
+        data, blocks = _saved(worker, rows)
         load = ECCPUConnectorMetadata(loads={"k": (0, blocks, (rows, WIDTH))})
         held: dict[str, torch.Tensor] = {}
         worker.bind(load)
