@@ -27,7 +27,12 @@ def test_outputs_are_token_identical_with_the_one_connector_name(
     result = run_in_subprocess(connector_spec(model_dir, tmp_path, metrics=True))
     assert result["passes"] == baseline
     assert len(result["region_files_while_running"]) == 1
-    assert region_files(tmp_path) == [], "a clean shutdown must remove the region file"
+    # The log's tail says how the engine ended (vLLM SIGKILLs an EngineCore that is
+    # still shutting down 5 s after its SIGTERM), should the file be left.
+    assert region_files(tmp_path) == [], (
+        f"a clean shutdown must remove the region file; the engine's log ends:\n"
+        f"{result['log'][-4000:]}"
+    )
     startup = re.findall(
         r"EC CPU tier: connector=ECCPUTierConnector role=ec_both "
         r"backend=CpuECCPUWorker policy=wtinylfu region=(\S+) size=\S+ \S+ "
