@@ -248,3 +248,26 @@ def test_per_event_cost_does_not_grow_with_entries() -> None:
         costs.append(_policy_lines(policy, alloc, keys))
     small, big = costs
     assert big <= 2 * small, costs
+
+
+def test_frequency_expert_duel_weighs_a_bounded_number_of_victims() -> None:
+    """A large item offered to the frequency expert's main part, full of one-block
+    items, is weighed against at most `max_victims` of them, not the thousands it
+    would push out: a duel's cost does not grow with how small the entries are."""
+    sketch = FrequencySketch(1 << 16)
+    weighed: list[str] = []
+    estimate = sketch.estimate
+
+    def counting_estimate(key: str) -> int:
+        weighed.append(key)
+        return estimate(key)
+
+    sketch.estimate = counting_estimate  # type: ignore[method-assign]
+    shadow = policy_module._ShadowTinyLFU(10_000, 0.01, sketch, max_victims=32)
+    for i in range(12_000):  # main fills with one-block items, then duels begin
+        sketch.increment(f"small{i}")
+        shadow.insert(f"small{i}", 1)
+    assert shadow.main_used == shadow.main_capacity
+    weighed.clear()
+    shadow._offer("large", 2_000)  # the duel a window overflow starts
+    assert 0 < len(weighed) <= 32 + 1, len(weighed)  # the victims, and the candidate
