@@ -21,10 +21,12 @@ next to it), shown with their range: a shared 2-core machine is noisy.
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.cpu.common import (
@@ -116,18 +118,157 @@ def per_step_us(scheduler: Any, items: int) -> float:
     return total / (steps - warmup) * 1e6
 
 
-def table(policy: str | None = None) -> list[str]:
-    """The table; `policy` runs this project's scheduler with that eviction policy
-    instead of the default (the in-tree side is the same either way)."""
+class _Recorder:
+    """Wraps a policy and records every answer it gives the allocator, in order."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.answers: collections.deque[Any] = collections.deque()
+        self.name = policy.name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)  # the events: passed on, nothing to record
+
+    @property
+    def strict_order(self) -> bool:
+        answer = bool(self.policy.strict_order)
+        self.answers.append(answer)
+        return answer
+
+    def admit(self, key: str, num_blocks: int) -> bool:
+        answer = bool(self.policy.admit(key, num_blocks))
+        self.answers.append(answer)
+        return answer
+
+    def candidates(self) -> Iterator[str]:
+        named: list[str] = []
+        self.answers.append(named)
+        for key in self.policy.candidates():
+            named.append(key)
+            yield key
+
+
+class _Playback:
+    """A policy that gives the recorded answers back and computes nothing: a scheduler
+    driven by it makes the same decisions as with the recorded policy (each question
+    must be the recorded one, and every answer must be used), so its time is the
+    scheduler's without the policy's."""
+
+    name = "playback"
+
+    def __init__(self, answers: collections.deque[Any]) -> None:
+        self.answers = answers
+
+    def _next(self, kind: type) -> Any:
+        if not self.answers:
+            raise AssertionError("the playback was asked more than the recorded run was")
+        answer = self.answers.popleft()
+        if not isinstance(answer, kind):
+            raise AssertionError("the playback was asked other questions than the recorded run")
+        return answer
+
+    @property
+    def strict_order(self) -> bool:
+        return bool(self._next(bool))
+
+    def admit(self, key: str, num_blocks: int) -> bool:
+        return bool(self._next(bool))
+
+    def candidates(self) -> Iterator[str]:
+        return iter(self._next(list))
+
+    def on_request(self, key: str) -> None:
+        pass
+
+    def on_insert(self, key: str, num_blocks: int) -> None:
+        pass
+
+    def on_evictable(self, key: str, num_blocks: int) -> None:
+        pass
+
+    def on_held(self, key: str) -> None:
+        pass
+
+    def on_removed(self, key: str) -> None:
+        pass
+
+
+def recorded_answers(config: Any, items: int) -> collections.deque[Any]:
+    """What this project's policy answers the allocator over `per_step_us`'s run."""
+    scheduler = ECCPUScheduler(config)
+    recorder = _Recorder(scheduler.allocator.policy)
+    scheduler.allocator.policy = recorder
+    try:
+        per_step_us(scheduler, items)
+    finally:
+        scheduler.shutdown()
+    return recorder.answers
+
+
+def played_back_us(config: Any, items: int, answers: collections.deque[Any]) -> float:
+    """`per_step_us` of this project's scheduler with `answers` played back as its
+    policy's; raises AssertionError if the run asks other questions than were recorded."""
+    scheduler = ECCPUScheduler(config)
+    scheduler.allocator.policy = _Playback(answers)
+    try:
+        elapsed = per_step_us(scheduler, items)
+    finally:
+        scheduler.shutdown()
+    if answers:
+        raise AssertionError("the playback was asked less than the recorded run was")
+    return elapsed
+
+
+def policy_share_table(runs: int = 3) -> list[str]:
+    """Ours with its default policy, ours with that policy's answers played back (the
+    same decisions, none of the policy's work), and the in-tree scheduler; in turns."""
+    config = _config(None)
+    lines = [
+        "Scheduler cost per step without the policy's own work (Table 3's workload; "
+        f"medians of {runs} runs in turns; thread CPU time)",
+        f"{'items/step':>10} {'ours (us)':>10} {'played back':>12} {'in-tree':>8} "
+        f"{'ours/in-tree':>13} {'played/in-tree':>15}",
+    ]
+    for items in ITEMS_PER_STEP:
+        ours_runs, played_runs, tree_runs = [], [], []
+        for _ in range(runs):
+            ours = ECCPUScheduler(config)
+            try:
+                ours_runs.append(per_step_us(ours, items))
+            finally:
+                ours.shutdown()
+            played_runs.append(played_back_us(config, items, recorded_answers(config, items)))
+            tree = InTreeScheduler(config)
+            try:
+                tree_runs.append(per_step_us(tree, items))
+            finally:
+                tree.shutdown()
+        ours_us, played_us, tree_us = (
+            statistics.median(values) for values in (ours_runs, played_runs, tree_runs)
+        )
+        lines.append(
+            f"{items:>10} {ours_us:>10.0f} {played_us:>12.0f} {tree_us:>8.0f} "
+            f"{ours_us / tree_us:>12.2f}x {played_us / tree_us:>14.2f}x"
+        )
+    return lines
+
+
+def _config(policy: str | None) -> Any:
     region_dir = tempfile.mkdtemp(prefix="ec-bench-region-")
     extra: dict[str, Any] = {"ec_cpu_bytes": REGION_BYTES, "ec_cpu_dir": region_dir}
     if policy is not None:
         extra["ec_eviction_policy"] = policy
-    config = make_vllm_config(
+    return make_vllm_config(
         write_config_only(tempfile.mkdtemp(prefix="ec-bench-model-")),
         extra=extra,
         widths={"image": WIDTH},
     )
+
+
+def table(policy: str | None = None) -> list[str]:
+    """The table; `policy` runs this project's scheduler with that eviction policy
+    instead of the default (the in-tree side is the same either way)."""
+    config = _config(policy)
     lines = [
         f"Table 3 - scheduler cost per engine step ({ROWS}-row images, half reloads, "
         f"{REGION_BYTES >> 20} MiB region; thread CPU time"
@@ -159,4 +300,10 @@ def table(policy: str | None = None) -> list[str]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--policy", help="run ours with this ec_eviction_policy")
-    print("\n".join(table(parser.parse_args().policy)))
+    parser.add_argument(
+        "--policy-share",
+        action="store_true",
+        help="instead: ours, ours with its policy's answers played back, and in-tree",
+    )
+    args = parser.parse_args()
+    print("\n".join(policy_share_table() if args.policy_share else table(args.policy)))
