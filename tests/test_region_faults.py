@@ -69,3 +69,15 @@ def test_cleanup_never_deletes_a_file_that_replaced_the_region(tmp_path: Path) -
     path.chmod(0o600)
     region.cleanup()
     assert path.read_bytes() == b"not ours"
+
+
+def test_a_tmpfs_without_a_size_limit_holds_a_region(tmp_path: Path) -> None:
+    """A tmpfs mounted with size=0 (no limit) reports 0 blocks, 0 of them free:
+    the region is still made there and every block can be written."""
+    with mounted_tmpfs(tmp_path / "unlimited", 0) as mount_point:
+        with ECSharedRegion(
+            "unlimited", 4 * MIB // 4096, 4096, directory=mount_point, background_reserve=True
+        ) as region:
+            assert region.wait_reserved(60) and region.reserved_blocks == region.num_blocks
+            region.blocks.fill_(7)
+        assert list(mount_point.iterdir()) == []

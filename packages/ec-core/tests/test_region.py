@@ -223,6 +223,7 @@ def test_too_large_for_the_directory_fails_before_any_file(
 
     class Small:
         def __init__(self, st: os.statvfs_result) -> None:
+            self.f_blocks = 4
             self.f_bavail = 2
             self.f_frsize = st.f_frsize
 
@@ -230,6 +231,25 @@ def test_too_large_for_the_directory_fails_before_any_file(
     with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\] asks for 8192 bytes") as info:
         ECSharedRegion("big", 32, BLOCK, directory=region_dir)
     assert "free" in str(info.value)
+    assert _region_files(region_dir) == []
+
+
+def test_a_directory_without_a_size_limit_is_not_refused(
+    region_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ramfs and a tmpfs mounted with size=0 have no limit and report 0 blocks,
+    0 of them free: that is no reason to refuse a region."""
+    real = os.fstatvfs
+
+    class Unsized:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_blocks = self.f_bavail = 0
+            self.f_frsize = st.f_frsize
+
+    monkeypatch.setattr(region_mod.os, "fstatvfs", lambda fd: Unsized(real(fd)))
+    with ECSharedRegion("unsized", BLOCKS, BLOCK, directory=region_dir) as region:
+        assert region.is_creator and region.reserved_blocks == BLOCKS
+        region.blocks.fill_(3)
     assert _region_files(region_dir) == []
 
 

@@ -237,6 +237,11 @@ class ECSharedRegion:
 
     def _check_free_space(self, dir_fd: int) -> None:
         st = os.fstatvfs(dir_fd)
+        if st.f_blocks == 0:
+            # A file system without a size (ramfs, a tmpfs mounted with size=0)
+            # reports 0 blocks and 0 free: there is no limit to check
+            # here, and the reservation still fails cleanly if memory runs out.
+            return
         free = st.f_bavail * st.f_frsize
         if self.file_bytes > free:
             raise ValueError(
