@@ -4,7 +4,9 @@ Device tensors are CPU tensors; streams queue operations that run only when
 the stream is synchronised or `complete()` is called (or at once with
 `synchronous=True`), so tests can observe work in flight. Every call is
 logged in `log` so tests can check ordering (who waits for whom, when the
-host mapping is registered and released), and failures can be injected.
+host mapping is registered and released), and failures can be injected,
+including a copy that fails on the device after it was enqueued (its
+stream's events then raise, as those of a CUDA or NPU stream in error do).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class FakeStream:
         self.name = name
         self.ops: list[Callable[[], None]] = []
         self.executed = 0
+        self.error: Exception | None = None
+        """Set once a failing copy has run: the stream's events raise it from then on."""
 
     def run_until(self, position: int) -> None:
         while self.executed < min(position, len(self.ops)):
@@ -47,11 +51,18 @@ class FakeEvent:
             self.stream.run_until(self.position)
 
     def query(self) -> bool:
-        return self.stream is None or self.stream.executed >= self.position
+        if self.stream is None:
+            return True
+        done = self.stream.executed >= self.position
+        if done and self.stream.error is not None:
+            raise self.stream.error
+        return done
 
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.run_until(self.position)
+            if self.stream.error is not None:
+                raise self.stream.error
 
 
 class FakeDeviceRuntime:
@@ -70,6 +81,7 @@ class FakeDeviceRuntime:
         fail_batch_call: int | None = None,
         fail_synchronize_device: bool = False,
         fail_device_empty: int | None = None,
+        fail_async_batch: int | None = None,
     ) -> None:
         self.synchronous = synchronous
         self.batch = batch
@@ -80,6 +92,9 @@ class FakeDeviceRuntime:
         self.fail_synchronize_device = fail_synchronize_device
         self.fail_device_empty = fail_device_empty
         """Fail the n-th device allocation (1-based), as an out-of-memory would."""
+        self.fail_async_batch = fail_async_batch
+        """Accept the n-th batch copy call (1-based) but fail it on the device: it copies
+        nothing, and its stream's events raise once the stream has reached it."""
         self.device_allocations = 0
         self.compute = FakeStream("compute")
         self.current = self.compute
@@ -161,8 +176,13 @@ class FakeDeviceRuntime:
         if self.fail_batch_call is not None and len(self.batch_calls) == self.fail_batch_call:
             raise RuntimeError("injected batch copy failure")
         copies = list(batch)
+        stream = self.current
+        fails = len(self.batch_calls) == self.fail_async_batch
 
         def run() -> None:
+            if fails:
+                stream.error = RuntimeError("injected asynchronous copy failure")
+                return
             for src, dst, size in copies:
                 ctypes.memmove(dst, src, size)
 

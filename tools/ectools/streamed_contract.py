@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.worker_process.entries import ECCPULoadError
 from ec_core.worker_process.ranks import RankInfo
 from ec_core.worker_process.streamed import StreamedECCPUWorker
 from ec_core.worker_process.transfer import TransferDirection
@@ -57,6 +58,8 @@ def streamed_factory(
 __all__ = [
     "test_a_failed_load_allocation_falls_back_for_that_entry",
     "test_a_failed_load_batch_is_drained_then_copied_synchronously",
+    "test_a_load_that_fails_on_the_device_stops_the_engine_once",
+    "test_a_save_that_fails_on_the_device_is_reported_failed_once",
     "test_async_round_trip_reports_only_after_landing",
     "test_descriptor_limit_splits_batches",
     "test_each_rank_registers_its_own_mapping",
@@ -259,3 +262,60 @@ def test_region_is_cleaned_up_when_the_backend_fails_to_shut_down(
     # The failing call was made: the fault was injected, not skipped.
     failing = "unregister_host" if failure == "fail_unregister" else "synchronize_device"
     assert any(entry[0] == failing for entry in runtime.log), runtime.log
+
+
+def _save_in_step(
+    worker: StreamedECCPUWorker, step: int, key: str, blocks: list[int], data: torch.Tensor
+) -> ECCPUWorkerReport:
+    meta = save_meta({key: (blocks, data)}, step=step)
+    worker.bind(meta)
+    worker.save_caches({key: data}, key, meta)
+    worker.get_finished()
+    return worker.build_connector_worker_meta()
+
+
+def test_a_save_that_fails_on_the_device_is_reported_failed_once(
+    make: Factory, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """A save batch accepted at submission whose copy then fails on the device (its
+    event raises) is reported failed in its step, with a warning, instead of raising
+    out of the engine's step; the batch beside it is acknowledged exactly once and
+    the failed stream is never handed to a later batch."""
+    worker, runtime = make(fail_async_batch=2)
+    a, b, c = torch.randn(2, WIDTH), torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    assert _save_in_step(worker, 1, "a", [0, 1], a).save_acks == []
+    assert _save_in_step(worker, 2, "b", [4, 5], b).save_acks == []
+    runtime.complete()
+    report = _idle_step(worker)
+    assert report.save_acks == [(0, 1, "a")]
+    assert report.failed_saves == [(0, 2, "b")]
+    assert report.progress == [(0, 2, 2)]
+    assert any("injected asynchronous copy failure" in r.getMessage() for r in ec_log.records)
+    again = _idle_step(worker)
+    assert again.save_acks == [] and again.failed_saves == [] and worker.num_inflight == 0
+    _save_in_step(worker, 3, "c", [8, 9], c)
+    runtime.complete()
+    assert _idle_step(worker).save_acks == [(0, 3, "c")], "the stream in error was not reused"
+
+
+def test_a_load_that_fails_on_the_device_stops_the_engine_once(make: Factory) -> None:
+    """A load whose copy fails on the device after submission cannot be taken back
+    (the step gathered from its buffer): the report raises ECCPULoadError naming the
+    transfer, once; batches that landed beside it are still reported, once."""
+    worker, runtime = make(synchronous=True)
+    a, b = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    _save(worker, {"a": ([0, 1], a), "b": ([4, 5], b)})
+    runtime.synchronous = False
+    runtime.fail_async_batch = len(runtime.batch_calls) + 2
+    for step, key, tid, blocks in ((2, "a", 7, [0, 1]), (3, "b", 8, [4, 5])):
+        meta = ECCPUConnectorMetadata(loads={key: (tid, blocks, (2, WIDTH))}, step=step)
+        worker.bind(meta)
+        worker.start_load_caches({}, meta)
+        worker.get_finished()
+        assert worker.build_connector_worker_meta().load_acks == []
+    runtime.complete()
+    with pytest.raises(ECCPULoadError, match=r"transfer\(s\) \[8\]"):
+        worker.build_connector_worker_meta()
+    report = worker.build_connector_worker_meta()
+    assert report.load_acks == [(0, 7)] and worker.num_inflight == 0
+    assert worker.build_connector_worker_meta().load_acks == []

@@ -6,7 +6,9 @@ and says up to which step everything has settled. A batch that had landed
 when it was submitted (a synchronous backend, a fallback copy) is not kept
 as a batch at all: its acknowledgements and figures go straight into the
 report the next `harvest` returns, where a tracked batch's go once it has
-landed.
+landed. A tracked batch whose copy fails on the device (its handle raises
+when polled) is over too: its saves are reported failed, and its loads stop
+the engine with `ECCPULoadError` (the step already used their buffers).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 
 from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUWorkerReport
+from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.worker_process.entries import ECCPULoadError
 from ec_core.worker_process.transfer import SAVE, TransferDirection, TransferHandle
 
 logger = get_logger(__name__)
@@ -49,7 +53,9 @@ class InFlight:
         self._transfers: list[Transfer] = []
         self._landed = ECCPUWorkerReport()
         """What has landed since the last harvest, already in report form (its
-        acknowledgements and figures): the next harvest returns it."""
+        acknowledgements and figures, and the saves of batches that failed on the
+        device): the next harvest returns it."""
+        self._warnings = RateLimitedWarnings(logger)
 
     def __len__(self) -> int:
         """Batches still in flight (not the landed ones waiting for the report)."""
@@ -102,7 +108,11 @@ class InFlight:
     def harvest(self) -> ECCPUWorkerReport:
         """A new report of every batch that has landed since the last harvest, in the
         order they were found landed (acknowledgements and figures only: the caller
-        fills in the rest); the tracked ones among them are released."""
+        fills in the rest); the tracked ones among them are released.
+
+        A batch whose copy failed on the device is dropped: its saves are in the
+        report's `failed_saves`; a failed load raises ECCPULoadError once, after
+        every other batch was polled (what landed is in the next report)."""
         if self._transfers:
             self._harvest_tracked()
         report = self._landed
@@ -111,9 +121,21 @@ class InFlight:
 
     def _harvest_tracked(self) -> None:
         still: list[Transfer] = []
+        failed_loads: list[tuple[Transfer, Exception]] = []
         for transfer in self._transfers:
             handle = transfer.handle
-            if not handle.query():
+            try:
+                landed = handle.query()
+            except Exception as exc:
+                # The copy failed on the device. Its handle is not released: a
+                # stream or event in error must not carry a later batch.
+                transfer.keepalive.clear()
+                if transfer.direction is SAVE:
+                    self._fail_saves(transfer, exc)
+                else:
+                    failed_loads.append((transfer, exc))
+                continue
+            if not landed:
                 still.append(transfer)
                 continue
             seconds = handle.elapsed_seconds() or 0.0
@@ -128,6 +150,27 @@ class InFlight:
                 seconds=seconds,
             )
         self._transfers = still
+        if failed_loads:
+            tids = [tid for transfer, _ in failed_loads for tid in transfer.tids]
+            raise ECCPULoadError(
+                f"EC CPU tier: the asynchronous load of transfer(s) {tids} on rank "
+                f"{self._rank} failed on the device ({failed_loads[0][1]!r}); the step "
+                "that used the loaded encoder outputs cannot be trusted"
+            ) from failed_loads[0][1]
+
+    def _fail_saves(self, transfer: Transfer, exc: Exception) -> None:
+        """Report the saves of a batch whose copy failed on the device as failed."""
+        rank, step = self._rank, transfer.step
+        self._landed.failed_saves.extend((rank, step, key) for key in transfer.keys)
+        self._warnings.warn(
+            "save-device",
+            "EC CPU tier: a batched save of %d entries (step %d) on rank %d failed on the "
+            "device (%r); they are reported failed and encoded again when needed",
+            len(transfer.keys),
+            step,
+            rank,
+            exc,
+        )
 
     def drain(self) -> None:
         """Wait for every batch and release it (shutdown); failures are logged, not raised."""

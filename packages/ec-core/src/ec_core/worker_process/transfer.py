@@ -196,7 +196,8 @@ class TransferHandle(Protocol):
     """A submitted batch: poll, wait, then give its resources back."""
 
     def query(self) -> bool:
-        """True once every copy of the batch has landed. Never blocks."""
+        """True once every copy of the batch has landed. Never blocks; raises when
+        the copies failed on the device (the batch is then over)."""
 
     def synchronize(self) -> None:
         """Block until every copy has landed."""

@@ -73,7 +73,10 @@ class ECCPUWorker(WorkerHooks):
       * a save is made only of a tensor of exactly the shape the scheduler
         allocated and of the region's dtype; any other is skipped with a
         rate-limited warning and reported failed. A save whose batch fails is
-        copied synchronously; if that fails too it is reported failed;
+        copied synchronously; if that fails too it is reported failed. A batch
+        that fails on the device after it was submitted (its handle raises when
+        polled) is reported failed if it saves; if it loads,
+        `build_connector_worker_meta` raises an `ECCPULoadError` (once);
       * nothing is ever written at or above the region's reservation
         watermark (`ec_core.region.reservation`), whatever block ids the
         scheduler sent: such a save is refused with a rate-limited warning
