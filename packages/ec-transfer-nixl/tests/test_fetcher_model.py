@@ -951,6 +951,7 @@ def _source_over(fetcher: Fetcher, local: LocalEntries) -> Any:
     source._negative = OrderedDict()
     source._closed = False
     source.fetcher = fetcher
+    source.advertised = None  # a consumer only: `request_finished` hands out no handle
     return source
 
 
@@ -991,6 +992,41 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     _finish_reads(machine)
     assert machine.allocator.get("k0").ready  # type: ignore[union-attr]
     assert not source.wants(r1, []) and not source.wants(r2, [])
+
+
+def test_requests_that_waited_on_a_fetch_that_failed_go_on_instead_of_fetching_again() -> None:
+    """Three requests of one step need k0; r1's fetch asks for it, r2 and r3 wait for
+    that fetch. Its producer is still saving k0 at the lookup deadline: the fetch
+    fails, and all three encode k0 here. r2 and r3 must not start a fetch of their
+    own and wait a second lookup timeout (then r3 a third: the n-th of n such
+    requests waited n timeouts)."""
+    import time
+
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    source = _source_over(fetcher, machine.local)
+    _now[0] = time.monotonic()  # the source's deadlines are on the monotonic clock
+    k0 = Wanted("k0", 1, COLS)
+    requests = [_request(f"r{i}") for i in (1, 2, 3)]
+    assert all(source.wants(request, [k0]) for request in requests), "k0 is on its way"
+    source.step_done()
+    for task in fetcher._take_tasks():
+        fetcher._begin(task)
+    fetcher._tick(_now[0])
+    (lookup,) = machine._lookups(peer)
+    machine.sockets[peer].sent.remove(lookup)
+    saving = machine._reply(lookup, status=OK, results=[("k0", SAVING, [])])
+    fetcher._apply(fetcher._links[peer], saving)
+    _now[0] += LOOKUP_S + 0.1  # the save never lands in time
+    fetcher._tick(_now[0])
+    assert source._tasks["r1"].done
+    assert fetcher.counters.fallbacks == {"not_ready": 1}
+    for request in requests:
+        assert not source.wants(request, [k0]), f"{request.request_id} waits again"
+    assert fetcher._take_tasks(all_staged=True) == [], "no second fetch of k0"
+    for request in requests:
+        source.request_finished(request)
+    assert source._tasks == {} and source._fetching == {} and source._finished == []
 
 
 def test_an_incompatible_handle_counts_each_item_encoded_here_once() -> None:

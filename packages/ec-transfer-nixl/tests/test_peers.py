@@ -608,6 +608,34 @@ def test_a_peer_still_saving_at_the_lookup_deadline_is_not_taken_for_down(
     assert torch.equal(cache["img-slow"], payload("img-slow", 4))
 
 
+def test_a_request_that_waited_on_a_failed_fetch_is_encoded_not_fetched_again(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Two requests need an item the producer is still saving at the lookup deadline:
+    r1's fetch asks for it and r2 waits for that fetch. Once it fails, both encode
+    the item here; r2 must not start a fetch of its own and wait a whole lookup
+    timeout more (with n such requests the last waited n timeouts)."""
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address)
+    consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
+    item = Item("img-stuck", 4)
+    StepDriver(producer.scheduler).step([make_request("save", [item])])  # never lands
+    first, second = make_request("r1", [item]), make_request("r2", [item])
+    assert not consumer.scheduler.ensure_cache_available(first, 0)
+    assert not consumer.scheduler.ensure_cache_available(second, 0), "waits for r1's fetch"
+    consumer.scheduler.build_connector_meta(scheduler_output(0))  # hands the task over
+    source = consumer.scheduler.remote
+    task = source._tasks["r1"]  # type: ignore[union-attr]
+    _wait_for(lambda: bool(task.items["img-stuck"].heard))  # the peer answered "saving"
+    task.lookup_deadline = time.monotonic()  # the save never lands in time
+    consumer.wait_available(first)
+    assert _fallbacks(consumer) == {"not_ready": 1}
+    assert consumer.scheduler.ensure_cache_available(second, 0), "r2 waited once: encoded here"
+    meta = StepDriver(consumer.scheduler).step([first, second]).meta
+    assert meta.loads == {} and not consumer.scheduler.allocator.has_held_entries()
+    assert consumer.scheduler.stat_totals()["remote_lookups"] == 1, "asked for once"
+
+
 def test_an_encode_only_producer_whose_reports_vllm_drops_still_serves(
     make_engine: Callable[..., Engine],
 ) -> None:

@@ -201,6 +201,13 @@ class NixlRemoteSource:
                 self._tasks[request.request_id] = FetchTask(
                     request.request_id, items, (), now, now, done=True
                 )
+            elif waits:
+                # It waits only for other requests' fetches: a done task records it, so
+                # once those are over it goes on (what did not land is encoded) instead
+                # of fetching those items again and waiting a timeout more each time.
+                self._tasks[request.request_id] = FetchTask(
+                    request.request_id, {}, (), now, now, done=True
+                )
             return waits
         task = FetchTask(
             request_id=request.request_id,
