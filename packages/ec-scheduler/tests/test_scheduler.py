@@ -756,3 +756,19 @@ def test_fm4_a_stale_entry_held_by_a_load_is_counted_once(
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(in_flight)))
     assert H not in scheduler.allocator
     assert scheduler.counters.stale_dropped == 1
+
+
+def test_an_items_row_count_honours_its_embedding_mask() -> None:
+    """Rows are counted without vLLM's cached cumulative sum when every placeholder
+    token is an embedding, and from the mask when one is given (some tokens are not)."""
+    import torch
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    from ec_scheduler.scheduler import _num_embeds
+
+    plain = PlaceholderRange(offset=3, length=9)
+    masked = PlaceholderRange(
+        offset=3, length=5, is_embed=torch.tensor([False, True, False, True, True])
+    )
+    assert _num_embeds(plain) == 9 and "embeds_cumsum" not in vars(plain)
+    assert _num_embeds(masked) == masked.get_num_embeds() == 3

@@ -37,7 +37,7 @@ from ec_scheduler.settlement import Settlement
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
@@ -62,6 +62,13 @@ def _locked(
 
     functools.update_wrapper(wrapper, method)
     return wrapper
+
+
+def _num_embeds(position: PlaceholderRange) -> int:
+    """`position.get_num_embeds()`, without building its cached cumulative sum when
+    every placeholder token is an embedding (`is_embed` None): the engine core's
+    request objects arrive without it, and this runs before vLLM computes it."""
+    return position.length if position.is_embed is None else position.get_num_embeds()
 
 
 class ECCPUScheduler:
@@ -253,7 +260,7 @@ class ECCPUScheduler:
             position = feature.mm_position
             if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            self._holds(entry, position.get_num_embeds(), request.request_id)
+            self._holds(entry, _num_embeds(position), request.request_id)
 
     def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
         """With a remote source: retire stale entries and offer it what is missing."""
@@ -264,7 +271,7 @@ class ECCPUScheduler:
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
             entry = entries(feature.identifier)
-            rows = position.get_num_embeds()
+            rows = _num_embeds(position)
             if entry is not None and self._holds(entry, rows, request.request_id):
                 continue
             if rows > 0:  # absent, or not ready yet: its save or fetch is under way
@@ -376,7 +383,7 @@ class ECCPUScheduler:
                 sorted(self._widths),
             )
             return
-        rows = feature.mm_position.get_num_embeds()
+        rows = _num_embeds(feature.mm_position)
         if rows <= 0:
             self.counters.saves_skipped_empty += 1
             self._warn_once(
