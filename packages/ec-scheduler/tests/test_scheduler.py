@@ -628,6 +628,26 @@ def test_fm4_pinned_stale_entry_is_dropped_after_its_load(make_scheduler: Schedu
     assert H not in scheduler.allocator
 
 
+def test_fm4_a_stale_entry_promised_to_a_passed_over_request_is_a_miss(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """vLLM looks request r1's item up (promised), then passes r1 over this step (its
+    chunk came to no tokens) and goes on to r2, whose item of the same UUID has
+    another row count: r2's lookup is a miss, not a load of r1's rows."""
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H, embeds=8))
+    r1, r2 = make_request("r1", [Item(H, embeds=8)]), make_request("r2", [Item(H, embeds=4)])
+    assert scheduler.ensure_cache_available(r1, 0)
+    assert scheduler.has_cache_item(H)  # r1 is not scheduled: no update_state_after_alloc
+    assert scheduler.ensure_cache_available(r2, 0)
+    assert not scheduler.has_cache_item(H), "the 8-row entry would be loaded for 4 rows"
+    scheduler.update_state_after_alloc(r2, 0)  # computed
+    meta = scheduler.build_connector_meta(scheduler_output())
+    assert meta.loads == {}
+    assert meta.save_shapes == {H: (4, WIDTH)}, "re-encoded and saved with its own shape"
+    assert scheduler.counters.stale_dropped == 1
+
+
 def _line_events(scheduler: ECCPUScheduler, requests: list[list[Item]]) -> int:
     count = 0
 

@@ -310,6 +310,13 @@ class ECCPUScheduler:
             rows,
         )
         self.counters.stale_dropped += 1
+        if entry.key in self._promised:
+            # Promised to a request looked up earlier in this step that vLLM then
+            # passed over (it allocates a request's items before it looks at the
+            # next request): kept, the promise would answer this request's lookup
+            # and load the other rows for it.
+            self._promised.discard(entry.key)
+            self.allocator.unpin(entry.key)
         if entry.evictable:
             self.allocator.drop(entry.key)
         else:

@@ -1,0 +1,115 @@
+"""The scheduler half under vLLM's real v1 Scheduler (`ectools.vllm_scheduler`).
+
+vLLM decides the call order here: chunked prefill, encoder budget and encoder
+cache limits, KV-block preemption, aborts. A simulated worker checks that
+every item a step gathers holds that item's rows.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from ectools.vllm_scheduler import (
+    SimulatedWorker,
+    mm_request,
+    real_scheduler,
+    run_step,
+    scheduler_half,
+)
+
+
+def _drain(scheduler: Scheduler, worker: SimulatedWorker, *, v2: bool = False) -> None:
+    for _ in range(400):
+        if not scheduler.has_requests():
+            return
+        run_step(scheduler, worker, v2=v2)
+
+
+def test_a_passed_over_requests_promise_does_not_load_its_rows_for_a_reused_uuid(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Running request A's chunk reaches item X (looked up: a hit, promised); vLLM
+    then passes A over this step (here because A reuses another UUID, Z, for two
+    sizes; a multi-token-prediction lookahead does it too). New request B uses X's
+    UUID for a 4-row item: its lookup must be a miss, not a load of X's 8 rows."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path, max_batched_tokens=16)
+    worker = SimulatedWorker()
+    scheduler.add_request(mm_request("w", [("X", 8)]))
+    _drain(scheduler, worker)
+    # Push X out of vLLM's own encoder cache (32 rows), so X must come from the region.
+    scheduler.add_request(mm_request("f", [("F1", 16), ("F2", 16)]))
+    _drain(scheduler, worker)
+    entry = scheduler_half(scheduler).allocator.get("X")
+    assert entry is not None and entry.ready and entry.shape == (8, 128)
+    assert "X" not in scheduler.encoder_cache_manager.cached
+
+    scheduler.add_request(mm_request("A", [("X", 8), ("Z", 2), ("Z", 1)], text=18, gap=0))
+    first = run_step(scheduler, worker)
+    assert dict(first.num_scheduled_tokens) == {"A": 16}, "A's first chunk is text"
+    scheduler.add_request(mm_request("B", [("X", 4)]))
+    second = run_step(scheduler, worker)
+    assert "A" not in second.num_scheduled_tokens
+    _drain(scheduler, worker)
+    assert worker.errors == []
+    assert second.scheduled_encoder_inputs == {"B": [0]}, "B's X is encoded"
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_traffic_gathers_the_right_rows_and_holds_nothing_after(
+    tiny_model_dir: str, tmp_path: Path, v2: bool, policy: str, seed: int
+) -> None:
+    """Chunked prefill, small encoder budget and cache, KV-block preemption, aborts
+    and copies that land late: every gather finds its own rows, and once the
+    traffic is over no entry stays pinned or unsaved, and no promise is left."""
+    rng = random.Random(seed)
+    scheduler = real_scheduler(
+        tiny_model_dir,
+        tmp_path,
+        encoder_budget=24,
+        encoder_cache=32,
+        kv_blocks=20,
+        max_batched_tokens=12,
+        max_seqs=3,
+        policy=policy,
+        v2=v2,
+        region_bytes=40 * 128 * 4,  # 40 rows: the region evicts
+    )
+    half = scheduler_half(scheduler)
+    assert half.layout.num_blocks == 40
+    worker = SimulatedWorker(rng, max_delay=2)
+    sizes = {f"I{i}": rng.randint(2, 16) for i in range(8)}
+    preempted = 0
+    for number in range(100):
+        if rng.random() < 0.4:
+            items = rng.sample(sorted(sizes), rng.randint(1, 3))
+            scheduler.add_request(
+                mm_request(
+                    f"r{number}",
+                    [(key, sizes[key]) for key in items],
+                    text=rng.randint(0, 5),
+                    gap=rng.randint(0, 3),
+                    max_tokens=rng.randint(1, 16),
+                    priority=rng.randint(0, 3),
+                )
+            )
+        if scheduler.requests and rng.random() < 0.05:
+            victim = rng.choice(sorted(scheduler.requests))
+            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        if scheduler.has_requests():
+            preempted += bool(run_step(scheduler, worker, v2=v2).preempted_req_ids)
+        half.allocator.check()
+    _drain(scheduler, worker, v2=v2)
+    for tail in range(4):  # on V1 reports come only with steps that have tokens
+        scheduler.add_request(mm_request(f"tail{tail}", [], max_tokens=1))
+        _drain(scheduler, worker, v2=v2)
+    assert worker.errors == []
+    assert half.counters.loads_dispatched > 0 and preempted > 0
+    assert [e.key for e in half.allocator if not e.evictable] == []
+    assert not half.flights and not half._promised

@@ -1,0 +1,255 @@
+"""Drive vLLM's real v1 `Scheduler` in-process with this project's connector.
+
+`real_scheduler` builds `vllm.v1.core.sched.scheduler.Scheduler` over a small KV
+cache, with `ECCPUTierConnector` as its EC connector (its scheduler half follows
+no reservation: no workers create the region). vLLM sizes its encoder budget
+and encoder cache from the model's processor, which needs a tokenizer; the
+figures are given here instead.
+
+`SimulatedWorker` plays one rank: an encoder cache keyed by identifier and a
+region whose blocks hold the identifier of the item whose rows were written
+there. It checks every gather of a step: an item missing from its encoder cache,
+or holding another item's rows or another row count, is recorded in `errors`.
+`run_step` is one engine step: `schedule`, the worker, `update_from_output`.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_scheduler import ECCPUScheduler
+from ec_scheduler.shell.connector import ECCPUTierConnector
+from ectools.configs import make_vllm_config
+
+
+def real_scheduler(
+    model_dir: str | Path,
+    region_dir: str | Path,
+    *,
+    encoder_budget: int = 32,
+    encoder_cache: int = 32,
+    kv_blocks: int = 64,
+    block_size: int = 4,
+    max_batched_tokens: int = 64,
+    max_seqs: int = 4,
+    policy: str = "fcfs",
+    v2: bool = False,
+    width: int = 128,
+    region_bytes: int = 1 << 20,
+) -> vllm_scheduler.Scheduler:
+    """vLLM's scheduler with `ECCPUTierConnector` (image width `width`, fp32).
+
+    `v2` selects what the scheduler half assumes of the model runner (whether
+    steps without tokens reach the workers); vLLM picks V1 on this CPU host.
+    """
+    config = make_vllm_config(
+        model_dir,
+        extra={"ec_cpu_bytes": region_bytes, "ec_cpu_dir": str(region_dir)},
+        widths={"image": width},
+        max_num_batched_tokens=max_batched_tokens,
+        max_num_seqs=max_seqs,
+        enable_chunked_prefill=True,
+        max_model_len=512,
+        scheduling_policy=policy,
+    )
+    config.cache_config.num_gpu_blocks = kv_blocks
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=kv_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    budget = types.SimpleNamespace(
+        encoder_compute_budget=encoder_budget,
+        encoder_cache_size=encoder_cache,
+        mm_max_toks_per_item={"image": encoder_budget},
+    )
+
+    def make_scheduler_half(_: ECCPUTierConnector, vllm_config: Any) -> ECCPUScheduler:
+        half = ECCPUScheduler(vllm_config)
+        half._empty_steps_reach_workers = v2
+        return half
+
+    with (
+        mock.patch.object(vllm_scheduler, "MultiModalBudget", return_value=budget),
+        mock.patch.object(ECCPUTierConnector, "_make_scheduler", make_scheduler_half),
+    ):
+        return vllm_scheduler.Scheduler(
+            config, kv_config, StructuredOutputManager(config), block_size=block_size
+        )
+
+
+def scheduler_half(scheduler: vllm_scheduler.Scheduler) -> ECCPUScheduler:
+    connector = scheduler.ec_connector
+    assert isinstance(connector, ECCPUTierConnector)
+    return connector.scheduler
+
+
+def mm_request(
+    request_id: str,
+    items: Sequence[tuple[str, int]],
+    *,
+    text: int = 4,
+    gap: int = 2,
+    max_tokens: int = 2,
+    priority: int = 0,
+) -> Request:
+    """A request with `text` text tokens, then each `(identifier, embeds)` item
+    followed by `gap` text tokens, then one more text token."""
+    features = []
+    offset = text
+    for identifier, embeds in items:
+        features.append(
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=embeds),
+                mm_hash=identifier,
+            )
+        )
+        offset += embeds + gap
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[1] * (offset + 1),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        mm_features=features,
+        priority=priority,
+    )
+
+
+@dataclass
+class _Copy:
+    due: int
+    meta_step: int
+    tid: int = -1
+    key: str = ""
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SimulatedWorker:
+    """One rank that encodes, loads, saves and gathers as the real one would.
+
+    Copies land `0..max_delay` of its steps after they were asked for (drawn
+    from `rng`); a save's rows reach the region only when it lands.
+    """
+
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    max_delay: int = 0
+    cache: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """identifier -> (whose rows, how many)"""
+    region: dict[int, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    _copies: list[_Copy] = field(default_factory=list)
+    _step: int = 0
+    _runs: int = 0
+
+    def run(self, output: SchedulerOutput, requests: dict[str, Request]) -> ECCPUWorkerReport:
+        self._runs += 1
+        for key in output.free_encoder_mm_hashes:
+            self.cache.pop(key, None)
+        meta = output.ec_connector_metadata
+        report = ECCPUWorkerReport(group_size=1)
+        if isinstance(meta, ECCPUConnectorMetadata):
+            self._step = max(self._step, meta.step)
+            for key, (tid, blocks, (rows, _)) in meta.loads.items():
+                owners = {self.region.get(block, "nothing") for block in blocks}
+                owner = owners.pop() if len(owners) == 1 else f"a mix of {sorted(owners)}"
+                self.cache[key] = (owner, rows)
+                self._copies.append(_Copy(self._due(), meta.step, tid=tid))
+            encoded = set()
+            for request_id, indices in output.scheduled_encoder_inputs.items():
+                for index in indices:
+                    feature = requests[request_id].mm_features[index]
+                    rows = feature.mm_position.get_num_embeds()
+                    self.cache[feature.identifier] = (feature.identifier, rows)
+                    encoded.add(feature.identifier)
+            for key, blocks in meta.saves.items():
+                if key in encoded:
+                    self._copies.append(_Copy(self._due(), meta.step, key=key, blocks=blocks))
+                else:  # the real worker reports a save whose output never came as failed
+                    report.failed_saves.append((0, meta.step, key))
+        self._check_gathers(output, requests)
+        waiting = []
+        for copy in self._copies:
+            if copy.due > self._runs:
+                waiting.append(copy)
+            elif copy.key:
+                for block in copy.blocks:
+                    self.region[block] = copy.key
+                report.save_acks.append((0, copy.meta_step, copy.key))
+            else:
+                report.load_acks.append((0, copy.tid))
+        self._copies = waiting
+        settled = min((copy.meta_step for copy in waiting), default=self._step + 1) - 1
+        report.progress.append((0, self._step, settled))
+        return report
+
+    def _due(self) -> int:
+        return self._runs + self.rng.randint(0, self.max_delay)
+
+    def _check_gathers(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            end = request.num_computed_tokens  # schedule() has advanced it already
+            start = end - count
+            for feature in request.mm_features:
+                position = feature.mm_position
+                if not (position.offset < end and position.offset + position.length > start):
+                    continue
+                wanted = (feature.identifier, position.get_num_embeds())
+                got = self.cache.get(feature.identifier)
+                if got != wanted:
+                    self.errors.append(
+                        f"{request_id} gathers {wanted[0]} ({wanted[1]} rows) and finds "
+                        f"{'nothing' if got is None else f'{got[0]} ({got[1]} rows)'}"
+                    )
+
+
+def run_step(
+    scheduler: vllm_scheduler.Scheduler, worker: SimulatedWorker, *, v2: bool = False
+) -> SchedulerOutput:
+    """One engine step. On V1, a step without tokens does not reach the worker."""
+    output = scheduler.schedule()
+    requests = scheduler.requests
+    report = None
+    if v2 or output.total_num_scheduled_tokens > 0:
+        report = worker.run(output, requests)
+    request_ids = list(output.num_scheduled_tokens)
+    sampled = [
+        [7] if requests[rid].num_computed_tokens >= requests[rid].num_tokens else []
+        for rid in request_ids
+    ]
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=request_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
+            sampled_token_ids=sampled,
+            ec_connector_output=(
+                None if report is None else ECConnectorOutput(ec_connector_worker_meta=report)
+            ),
+        ),
+    )
+    return output
