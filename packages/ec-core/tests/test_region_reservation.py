@@ -476,3 +476,22 @@ def test_a_thread_that_cannot_start_leaves_no_file(
         "nothread", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
     ) as region:
         assert region.is_creator
+
+
+def test_a_region_that_never_appears_is_warned_about(
+    region_dir: Path, monkeypatch: pytest.MonkeyPatch, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """A scheduler whose host runs no worker of its engine never sees the region: it
+    saves nothing, so once that has lasted past ABSENT_WARN_S it says so (once a
+    period), instead of leaving the operator with a cache that silently stays empty."""
+    from ec_core.region import reservation as reservation_mod
+
+    watcher = RegionReservation(
+        region_dir / "never-created.ecregion", BLOCKS, BLOCK, engine_id="e", owner="o"
+    )
+    assert watcher.poll() == 0
+    assert not any("has not appeared" in r.getMessage() for r in ec_log.records), "too early"
+    monkeypatch.setattr(reservation_mod, "ABSENT_WARN_S", 0.0)
+    assert watcher.poll() == 0 and watcher.poll() == 0 and not watcher.final
+    warned = [r for r in ec_log.records if "has not appeared" in r.getMessage()]
+    assert len(warned) == 1 and "never-created.ecregion" in warned[0].getMessage()

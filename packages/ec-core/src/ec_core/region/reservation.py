@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,11 @@ RECORD = struct.Struct("<QQQ")
 """reserved blocks, state, check word."""
 RECORD_OFFSET = 128
 """Where the record sits in the header page (after `HEADER`, inside `HEADER_BYTES`)."""
+ABSENT_WARN_S = 60.0
+"""How long the scheduler follows a region file that does not appear before it warns:
+the workers create the region before vLLM builds the scheduler, so a file still
+missing then means no worker of this engine runs on the scheduler's host."""
+
 _CHECK_SALT = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
@@ -143,6 +149,7 @@ class RegionReservation:
         self.reserved_blocks = 0
         self.final = False
         self._warnings = RateLimitedWarnings(logger)
+        self._absent_since = time.monotonic()
 
     def poll(self) -> int:
         """The blocks reserved so far (monotonic); sets `final` when it stops moving."""
@@ -165,6 +172,15 @@ class RegionReservation:
         if self._fd is None:
             self._fd = self._open_live()
             if self._fd is None:
+                if not self.reserved_blocks and self._absent_for() > ABSENT_WARN_S:
+                    self._warnings.warn(
+                        "absent",
+                        "EC CPU tier: region %s has not appeared in %.0f s; nothing is "
+                        "saved until it does (does a worker of this engine run on the "
+                        "scheduler's host, with the same ec_cpu_dir?)",
+                        self.path,
+                        self._absent_for(),
+                    )
                 return
         reading = read_record(self._fd)
         if reading is None:
@@ -187,6 +203,9 @@ class RegionReservation:
                     self.path.parent,
                 )
             self.close()
+
+    def _absent_for(self) -> float:
+        return time.monotonic() - self._absent_since
 
     def close(self) -> None:
         """Stop following the file (idempotent, never raises)."""
