@@ -251,6 +251,12 @@ def test_a_directory_without_a_size_limit_is_not_refused(
         assert region.is_creator and region.reserved_blocks == BLOCKS
         region.blocks.fill_(3)
     assert _region_files(region_dir) == []
+    # Bounded by memory alone: a region larger than the host's memory is refused.
+    memory = {"SC_PHYS_PAGES": 2, "SC_PAGE_SIZE": BLOCK}
+    monkeypatch.setattr(region_mod.os, "sysconf", memory.__getitem__)
+    with pytest.raises(ValueError, match="has no size limit and the host has"):
+        ECSharedRegion("too-large", BLOCKS, BLOCK, directory=region_dir)
+    assert _region_files(region_dir) == []
 
 
 @pytest.mark.parametrize("code", [errno.ENOMEM, errno.EFAULT])

@@ -239,15 +239,19 @@ class ECSharedRegion:
         st = os.fstatvfs(dir_fd)
         if st.f_blocks == 0:
             # A file system without a size (ramfs, a tmpfs mounted with size=0)
-            # reports 0 blocks and 0 free: there is no limit to check
-            # here, and the reservation still fails cleanly if memory runs out.
-            return
-        free = st.f_bavail * st.f_frsize
+            # reports 0 blocks and 0 free: it is bounded by memory alone, so the
+            # region is held against the host's memory. (Below that, pages it
+            # cannot get end in the kernel's out-of-memory handling, not ENOSPC.)
+            free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            where = f"{self.directory} has no size limit and the host has"
+        else:
+            free = st.f_bavail * st.f_frsize
+            where = f"{self.directory} has only"
         if self.file_bytes > free:
             raise ValueError(
                 f"ec_connector_extra_config[{KEY_CPU_BYTES!r}] asks for {self.nbytes} bytes "
-                f"({format_bytes(self.nbytes)}) but {self.directory} has only "
-                f"{format_bytes(free)} free; lower it or point ec_cpu_dir elsewhere"
+                f"({format_bytes(self.nbytes)}) but {where} {format_bytes(free)} "
+                "free; lower it or point ec_cpu_dir elsewhere"
             )
 
     def _initialise(self, fd: int) -> None:
