@@ -648,6 +648,23 @@ def test_fm4_a_stale_entry_promised_to_a_passed_over_request_is_a_miss(
     assert scheduler.counters.stale_dropped == 1
 
 
+def test_fm4_a_load_dispatched_this_step_does_not_serve_a_reused_uuid_of_other_rows(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """r1's 8-row item is loaded this step; r2 reuses its UUID for 4 rows. vLLM
+    normally refuses r2 itself (same identifier, other size, same step), but the
+    scheduler half must not answer its lookup with r1's load either."""
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H, embeds=8))
+    r1, r2 = make_request("r1", [Item(H, embeds=8)]), make_request("r2", [Item(H, embeds=4)])
+    assert scheduler.ensure_cache_available(r1, 0) and scheduler.has_cache_item(H)
+    scheduler.update_state_after_alloc(r1, 0)  # r1's load is dispatched
+    assert scheduler.ensure_cache_available(r2, 0)  # finds 8 rows where 4 are needed
+    assert not scheduler.has_cache_item(H), "r1's 8-row load would serve r2's 4 rows"
+    meta = scheduler.build_connector_meta(scheduler_output())
+    assert list(meta.loads) == [H] and meta.loads[H][2] == (8, WIDTH), "r1 keeps its load"
+
+
 def _line_events(scheduler: ECCPUScheduler, requests: list[list[Item]]) -> int:
     count = 0
 

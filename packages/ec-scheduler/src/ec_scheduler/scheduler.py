@@ -221,7 +221,9 @@ class ECCPUScheduler:
             if not self.is_consumer:
                 return False
             if identifier in self._promised or identifier in self._pending_loads:
-                return True
+                # Unless a request since found the entry holds another row count
+                # than it needs (a reused UUID): its load serves the first one only.
+                return identifier not in self._stale
             allocator = self.allocator
             entry = allocator.get(identifier)
             if entry is None or not entry.ready or identifier in self._stale:
