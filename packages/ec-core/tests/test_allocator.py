@@ -392,3 +392,38 @@ def test_a_window_of_many_victims_costs_linear_work(monkeypatch: pytest.MonkeyPa
     assert alloc.evictions == k
     assert comparisons <= 4 * k, comparisons
     alloc.check()
+
+
+def test_a_window_search_for_a_huge_entry_grows_one_window_not_one_per_seed() -> None:
+    """A 1000-block item in a full pool of one-block entries: every one of the
+    WINDOW_CANDIDATES seeds could grow a window of ~1000 members, each costing about
+    as much as the others. Once one window was found, all seeds together take at most
+    WINDOW_STEPS more steps, so the search costs about one window plus that bound
+    (it was one full window per seed: 32 000 steps here, seconds for larger items)."""
+    from ec_core.scheduler_process.allocator import WINDOW_STEPS
+    from ec_core.scheduler_process.policy import S3LFUPolicy
+
+    lookups = 0
+
+    class CountingDict(dict[int, Entry]):
+        def get(self, key: int, default: object = None) -> object:  # type: ignore[override]
+            nonlocal lookups
+            lookups += 1
+            return super().get(key, default)
+
+    k = 1000
+    alloc = BlockAllocator(8 * k, S3LFUPolicy(8 * k))
+    alloc._run_ending = CountingDict()
+    for i in range(8 * k):
+        key = f"small{i}"
+        alloc.note_request(key)
+        alloc.note_request(key)
+        assert alloc.alloc(key, 1) is not None
+        alloc.mark_ready(key)
+    alloc.note_request("big")
+    alloc.note_request("big")
+    lookups = 0
+    entry = alloc.alloc("big", k)
+    assert entry is not None and len(entry.runs) == 1 and alloc.evictions == k
+    assert lookups <= k + WINDOW_STEPS + 64, lookups  # a neighbour lookup per step
+    alloc.check()

@@ -34,6 +34,12 @@ WINDOW_CANDIDATES = 32
 """How many of the policy's preferred victims are ranked for a window search."""
 _UNRANKED = 2 * WINDOW_CANDIDATES
 """The rank charged for a neighbour outside the policy's first candidates."""
+WINDOW_STEPS = 4096
+"""Growth steps (a neighbour or a free run joining a window) one window search takes
+at most once it has something to fall back on (a window found, or the policy's own
+victims while its order is strict). Windows of similar entries take a few steps
+each; an entry thousands of times larger than its neighbours would otherwise cost
+one full-grown window per seed instead of one."""
 
 
 def _run_length(run: Run) -> int:
@@ -236,7 +242,8 @@ class BlockAllocator:
         (pinned or not-ready neighbours everywhere), or, while the policy's
         order is strict, when every window costs more than the policy's own
         first victims (`_policy_order_cost`). O(WINDOW_CANDIDATES) seeds, each pruned
-        as soon as it costs more than the best so far.
+        as soon as it costs more than the best so far; once there is a fallback,
+        all of them together grow at most WINDOW_STEPS steps.
         """
         first = self._entries.get(next(self.policy.candidates(), ""))
         if first is not None and first.ready and first.pins == 0 and first.runs:
@@ -267,13 +274,20 @@ class BlockAllocator:
         # more than its own first victims (costs are whole numbers, hence the
         # half); None then lets `alloc` evict exactly those.
         best_cost = self._policy_order_cost(n) + 0.5 if self.policy.strict_order else math.inf
+        steps_left = WINDOW_STEPS
         for key, rank in ranks.items():
             seed = self._entries.get(key)
             if seed is None or not seed.evictable or not seed.runs:
                 continue
             if seed.num_blocks * (1 + rank) >= best_cost:
                 continue  # its window costs at least the seed itself: no better
-            found = self._grow_window(seed, n, ranks, best_cost)
+            bounded = best is not None or self.policy.strict_order
+            if bounded and steps_left <= 0:
+                break
+            found, steps = self._grow_window(
+                seed, n, ranks, best_cost, steps_left if bounded else math.inf
+            )
+            steps_left -= steps
             if found is not None:
                 best, best_cost = found
         if best is None:
@@ -299,10 +313,11 @@ class BlockAllocator:
         return cost
 
     def _grow_window(
-        self, seed: Entry, n: int, ranks: dict[str, int], budget: float
-    ) -> tuple[list[Entry], float] | None:
-        """The victims and cost of the window grown from `seed`, or None when it
-        cannot reach `n` blocks or costs `budget` or more.
+        self, seed: Entry, n: int, ranks: dict[str, int], budget: float, max_steps: float
+    ) -> tuple[tuple[list[Entry], float] | None, int]:
+        """The victims and cost of the window grown from `seed` (None when it cannot
+        reach `n` blocks, costs `budget` or more, or needs more than `max_steps`
+        growth steps), and the steps it took.
 
         Free runs join for nothing; otherwise the cheaper evictable neighbour
         joins (the left one on a tie). This is the allocator's inner loop, so
@@ -318,9 +333,11 @@ class BlockAllocator:
         victims = [seed]
         chosen = {seed}  # `victims` as a set: a membership test is O(1), not O(window)
         cost = float(seed.num_blocks * (1 + rank_of(seed.key, _UNRANKED)))
+        steps = 0
         while right - left < n:
-            if cost >= budget:
-                return None
+            if cost >= budget or steps >= max_steps:
+                return None, steps
+            steps += 1
             free_before = free_ending_at(left)
             if free_before is not None:
                 left = free_before
@@ -337,7 +354,7 @@ class BlockAllocator:
                 after_cost = after.num_blocks * (1 + rank_of(after.key, _UNRANKED))
             if before_cost <= after_cost:
                 if before is None or before_cost == math.inf:
-                    return None
+                    return None, steps
                 cost += before_cost
                 victims.append(before)
                 chosen.add(before)
@@ -353,7 +370,7 @@ class BlockAllocator:
                     runs[0] if len(runs) == 1 else self._run_of(after, right, "r")
                 )
                 right = run_start + run_length
-        return (victims, cost) if cost < budget else None
+        return ((victims, cost) if cost < budget else None), steps
 
     @staticmethod
     def _run_of(entry: Entry, boundary: int, side: str) -> Run:
