@@ -72,7 +72,7 @@ def test_prometheus_families_per_engine(registry: CollectorRegistry) -> None:
         {0: ["m", "0"], 1: ["m", "1"]},
     )
     prom.observe({"hits": 3, "bytes_loaded": 4096, "region_entries": 5}, engine_idx=1)
-    prom.observe({"hits": 2, "misses": 0}, engine_idx=1)
+    prom.observe({"hits": 2, "misses": 0, "engine": 1}, engine_idx=1)  # `engine` is no metric
     value = registry.get_sample_value
     assert value("vllm:ec_cpu_hits_total", {"model_name": "m", "engine": "1"}) == 5
     assert value("vllm:ec_cpu_hits_total", {"model_name": "m", "engine": "0"}) == 0
@@ -88,3 +88,31 @@ def test_prometheus_families_per_engine(registry: CollectorRegistry) -> None:
     prom.observe({"remote_fallbacks:timeout": 3}, engine_idx=1)
     cause = {"model_name": "m", "engine": "1", "cause": "timeout"}
     assert value("vllm:ec_cpu_remote_fallbacks_total", cause) == 3
+
+
+def test_stats_of_several_engines_sum_each_engines_newest_gauges() -> None:
+    """vLLM's aggregated log line (`--aggregate-engine-logging`) folds every
+    data-parallel engine's stats into one accumulator: each engine has a region of
+    its own, so a gauge is the sum of each engine's newest value, not the value of
+    whichever engine reported last."""
+    full = {"engine": 0, "lookups": 1, "region_blocks": 100, "region_used_blocks": 90}
+    empty = {"engine": 1, "lookups": 1, "region_blocks": 100, "region_used_blocks": 10}
+    later = {"engine": 0, "hits": 1, "region_blocks": 100, "region_used_blocks": 95}
+    accumulator = ECCPUConnectorStats(data=dict(full))
+    accumulator.aggregate(ECCPUConnectorStats(data=dict(empty)))
+    figures = accumulator.reduce()
+    assert figures["region_blocks"] == 200
+    assert figures["region_used_blocks"] == 100
+    assert figures["lookups"] == 2
+    accumulator.aggregate(ECCPUConnectorStats(data=dict(later)))
+    figures = accumulator.reduce()
+    assert figures["region_used_blocks"] == 105, "engine 0's newest value, plus engine 1's"
+    assert figures["hit_rate"] == 0.5
+    assert "engine" not in figures
+    # One engine alone: its newest gauges, as before.
+    alone = ECCPUConnectorStats(data=dict(full))
+    alone.aggregate(ECCPUConnectorStats(data=dict(later)))
+    assert alone.reduce()["region_used_blocks"] == 95
+    alone.reset()
+    alone.aggregate(ECCPUConnectorStats(data=dict(empty)))
+    assert alone.reduce()["region_used_blocks"] == 10, "reset forgets the engines too"

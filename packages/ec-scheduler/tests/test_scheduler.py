@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import sys
@@ -9,6 +10,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from vllm.config import VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
@@ -734,6 +736,41 @@ def test_stats_are_deltas_with_gauges_and_worker_figures(make_scheduler: Schedul
     assert scheduler.get_ec_connector_stats().data["hits"] == 1  # type: ignore[union-attr]
     held = scheduler.stat_totals()["region_held_entries"]
     assert held == 1, "a load in flight holds its entry"
+
+
+def test_aggregated_log_line_of_data_parallel_engines_sums_their_gauges(
+    make_scheduler: SchedulerFactory, role_configs: dict[str, VllmConfig]
+) -> None:
+    """`--aggregate-engine-logging` with two data-parallel engines: vLLM folds both
+    engines' stats into one "EC Transfer metrics" line. Each engine has a region of
+    its own, so the line's region gauges cover both, not the last one that reported."""
+    from vllm.v1.metrics.loggers import AggregatedLoggingStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    config = role_configs["ec_both"]
+    first = make_scheduler(blocks=64)  # data-parallel rank 0
+    rank1 = copy.deepcopy(config)
+    rank1.parallel_config.data_parallel_index = 1
+    engines = [first, ECCPUScheduler(rank1, layout=first.layout)]
+    for index, items in enumerate(([Item("a"), Item("b")], [Item("c")])):
+        meta = StepDriver(engines[index]).step([make_request(f"r{index}", items)]).meta
+        engines[index].update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    front_end = AggregatedLoggingStatLogger(config, engine_indexes=[0, 1])
+    for index, engine in enumerate(engines):
+        stats = engine.get_ec_connector_stats()
+        assert stats is not None
+        front_end.record(SchedulerStats(ec_connector_stats=stats.data), None, engine_idx=index)
+    lines: list[str] = []
+    front_end.ec_connector_logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1
+    figures = {
+        name: float(value)
+        for name, value in (part.split("=") for part in lines[0].split(": ", 1)[1].split(", "))
+    }
+    assert figures["saves"] == 3
+    assert figures["region_entries"] == 3, figures
+    assert figures["region_blocks"] == 128, figures
+    assert figures["region_used_blocks"] == 24, figures  # 3 entries of 8 blocks
 
 
 def test_overdue_warnings_are_rate_limited(

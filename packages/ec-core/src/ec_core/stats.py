@@ -16,7 +16,7 @@ Runs in the scheduler process (building stats) and in vLLM's front end
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ec_core import _vllm  # noqa: F401  (version gate before the vLLM import)
 
@@ -105,6 +105,11 @@ def parse_labelled_key(name: str) -> tuple[str, tuple[str, ...]] | None:
     return family, values
 
 
+ENGINE = "engine"
+"""Stats key naming the engine (its data-parallel rank) whose scheduler built the stats.
+Neither a counter nor a gauge: it tells `aggregate` whose gauges it is given."""
+
+
 def is_counter(name: str) -> bool:
     """Whether `name` is summed over intervals (a counter) rather than replaced (a gauge)."""
     return name in COUNTERS or parse_labelled_key(name) is not None
@@ -114,19 +119,41 @@ def is_counter(name: str) -> bool:
 class ECCPUConnectorStats(ECConnectorStats):
     """Counter deltas and gauge values in one flat, serialisable dict.
 
-    `aggregate` sums counters and keeps the newest gauges; `reduce` returns
-    the figures for the log line, with the hit rate of the interval.
+    `aggregate` sums counters and keeps each engine's newest gauges; once
+    stats of several engines have met (vLLM's aggregated log line of
+    data-parallel engines, `--aggregate-engine-logging`), each gauge is the
+    sum over those engines, like the counters. `reduce` returns the figures
+    for the log line, with the hit rate of the interval.
     """
+
+    _engine_gauges: dict[object, dict[str, float]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """Accumulator state (front end only, never shipped): each engine's newest gauges."""
 
     def reset(self) -> None:
         self.data = {}
+        self._engine_gauges = {}
 
     def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
+        engines = self._engine_gauges
+        if not engines and self.data:
+            engines[self.data.get(ENGINE)] = _gauges_of(self.data)
         for name, value in other.data.items():
             if is_counter(name):
                 self.data[name] = self.data.get(name, 0) + value
             else:
                 self.data[name] = value
+        theirs = other._engine_gauges if isinstance(other, ECCPUConnectorStats) else {}
+        for engine, gauges in (theirs or {other.data.get(ENGINE): _gauges_of(other.data)}).items():
+            engines.setdefault(engine, {}).update(gauges)
+        if len(engines) > 1:
+            # Each engine has a region of its own: the newest value of one engine
+            # is not the figure of all of them.
+            for name in GAUGES:
+                values = [gauges[name] for gauges in engines.values() if name in gauges]
+                if values:
+                    self.data[name] = sum(values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -145,8 +172,13 @@ class ECCPUConnectorStats(ECConnectorStats):
         return not any(value for name, value in self.data.items() if is_counter(name))
 
 
+def _gauges_of(data: dict[str, float]) -> dict[str, float]:
+    return {name: data[name] for name in GAUGES if name in data}
+
+
 __all__ = [
     "COUNTERS",
+    "ENGINE",
     "GAUGES",
     "LABELLED",
     "RANK_COPY_OPS",

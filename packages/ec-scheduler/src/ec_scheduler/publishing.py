@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.stats import ECCPUConnectorStats, is_counter, labelled_key
+from ec_core.stats import ENGINE, ECCPUConnectorStats, is_counter, labelled_key
 from ec_scheduler.counters import SchedulerCounters
 
 
@@ -55,14 +55,20 @@ def stat_totals(
 
 
 class StatsPublisher:
-    """Remembers what was handed over, so each hand-over carries only what changed."""
+    """Remembers what was handed over, so each hand-over carries only what changed.
 
-    def __init__(self) -> None:
+    Every hand-over names its engine (`engine`, the data-parallel rank), so a
+    front end that folds several engines' stats into one log line can tell
+    whose gauges it holds.
+    """
+
+    def __init__(self, engine: int = 0) -> None:
+        self._engine = engine
         self._published: dict[str, float] = {}
 
     def changes(self, totals: Mapping[str, float]) -> ECCPUConnectorStats | None:
         """Counter deltas since the previous call plus every gauge; None when no counter moved."""
-        data: dict[str, float] = {}
+        data: dict[str, float] = {ENGINE: self._engine}
         moved = False
         for name, value in totals.items():
             if is_counter(name):

@@ -155,7 +155,7 @@ class ECCPUScheduler:
         self._deferred = False
         """A request was deferred since the last build_connector_meta (see there)."""
         self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
-        self._publisher = StatsPublisher()
+        self._publisher = StatsPublisher(vllm_config.parallel_config.data_parallel_index)
         self.lock = threading.RLock()
         self.remote: RemoteSource | None = None
         self._side_reports: ReportReceiver | None = None
