@@ -7,16 +7,24 @@ and encoder cache from the model's processor, which needs a tokenizer; the
 figures are given here instead.
 
 `SimulatedWorker` plays one rank: an encoder cache keyed by identifier and a
-region whose blocks hold the identifier of the item whose rows were written
-there. It checks every gather of a step: an item missing from its encoder cache,
+region whose blocks hold the identifier (and row count) of the item whose rows
+were written there; like the real worker, it saves only an output of the shape
+the scheduler sent. It checks every gather of a step: an item missing from its encoder cache,
 or holding another item's rows or another row count, is recorded in `errors`.
 `run_step` is one engine step: `schedule`, the worker, `update_from_output`.
+
+`AsyncSteps` drives vLLM's `AsyncScheduler` (`real_scheduler(...,
+async_scheduling=True)`) the way `EngineCore.step_with_batch_queue` does with
+async scheduling: a batch queue of depth 2, so step N+1 is scheduled, and the
+worker runs it, before step N's output and the worker's report of step N reach
+`update_from_output`.
 """
 
 from __future__ import annotations
 
 import random
 import types
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +35,7 @@ import torch
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
@@ -53,11 +62,15 @@ def real_scheduler(
     v2: bool = False,
     width: int = 128,
     region_bytes: int = 1 << 20,
+    async_scheduling: bool = False,
+    long_prefill: int = 0,
 ) -> vllm_scheduler.Scheduler:
     """vLLM's scheduler with `ECCPUTierConnector` (image width `width`, fp32).
 
     `v2` selects what the scheduler half assumes of the model runner (whether
     steps without tokens reach the workers); vLLM picks V1 on this CPU host.
+    `async_scheduling` builds vLLM's `AsyncScheduler` (drive it with `AsyncSteps`);
+    `long_prefill` is vLLM's `long_prefill_token_threshold` (0: none).
     """
     config = make_vllm_config(
         model_dir,
@@ -68,8 +81,13 @@ def real_scheduler(
         enable_chunked_prefill=True,
         max_model_len=512,
         scheduling_policy=policy,
+        long_prefill_token_threshold=long_prefill,
+        # A generating model (the config-only folder would resolve to a pooling
+        # one): it samples a token per step, which async scheduling counts ahead.
+        hf_overrides={"architectures": ["Blip2ForConditionalGeneration"]},
     )
     config.cache_config.num_gpu_blocks = kv_blocks
+    config.scheduler_config.async_scheduling = async_scheduling
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
     )
@@ -93,9 +111,8 @@ def real_scheduler(
         mock.patch.object(vllm_scheduler, "MultiModalBudget", return_value=budget),
         mock.patch.object(ECCPUTierConnector, "_make_scheduler", make_scheduler_half),
     ):
-        return vllm_scheduler.Scheduler(
-            config, kv_config, StructuredOutputManager(config), block_size=block_size
-        )
+        kind = AsyncScheduler if async_scheduling else vllm_scheduler.Scheduler
+        return kind(config, kv_config, StructuredOutputManager(config), block_size=block_size)
 
 
 def scheduler_half(scheduler: vllm_scheduler.Scheduler) -> ECCPUScheduler:
@@ -145,6 +162,7 @@ class _Copy:
     tid: int = -1
     key: str = ""
     blocks: list[int] = field(default_factory=list)
+    rows: int = 0
 
 
 @dataclass
@@ -159,7 +177,8 @@ class SimulatedWorker:
     max_delay: int = 0
     cache: dict[str, tuple[str, int]] = field(default_factory=dict)
     """identifier -> (whose rows, how many)"""
-    region: dict[int, str] = field(default_factory=dict)
+    region: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """block -> (whose rows, how many rows that item has)"""
     errors: list[str] = field(default_factory=list)
     _copies: list[_Copy] = field(default_factory=list)
     _step: int = 0
@@ -174,9 +193,9 @@ class SimulatedWorker:
         if isinstance(meta, ECCPUConnectorMetadata):
             self._step = max(self._step, meta.step)
             for key, (tid, blocks, (rows, _)) in meta.loads.items():
-                owners = {self.region.get(block, "nothing") for block in blocks}
-                owner = owners.pop() if len(owners) == 1 else f"a mix of {sorted(owners)}"
-                self.cache[key] = (owner, rows)
+                owners = {self.region.get(block, ("nothing", 0)) for block in blocks}
+                owner, saved = owners.pop() if len(owners) == 1 else (f"a mix of {owners}", 0)
+                self.cache[key] = (owner if saved == rows else f"{owner} ({saved} rows)", rows)
                 self._copies.append(_Copy(self._due(), meta.step, tid=tid))
             encoded = set()
             for request_id, indices in output.scheduled_encoder_inputs.items():
@@ -186,9 +205,13 @@ class SimulatedWorker:
                     self.cache[feature.identifier] = (feature.identifier, rows)
                     encoded.add(feature.identifier)
             for key, blocks in meta.saves.items():
-                if key in encoded:
-                    self._copies.append(_Copy(self._due(), meta.step, key=key, blocks=blocks))
-                else:  # the real worker reports a save whose output never came as failed
+                rows = meta.save_shapes[key][0]
+                if key in encoded and self.cache[key][1] == rows:
+                    self._copies.append(
+                        _Copy(self._due(), meta.step, key=key, blocks=blocks, rows=rows)
+                    )
+                else:  # the real worker reports a save whose output never came, or
+                    # came in another shape, as failed
                     report.failed_saves.append((0, meta.step, key))
         self._check_gathers(output, requests)
         waiting = []
@@ -197,7 +220,7 @@ class SimulatedWorker:
                 waiting.append(copy)
             elif copy.key:
                 for block in copy.blocks:
-                    self.region[block] = copy.key
+                    self.region[block] = (copy.key, copy.rows)
                 report.save_acks.append((0, copy.meta_step, copy.key))
             else:
                 report.load_acks.append((0, copy.tid))
@@ -232,24 +255,68 @@ def run_step(
 ) -> SchedulerOutput:
     """One engine step. On V1, a step without tokens does not reach the worker."""
     output = scheduler.schedule()
+    scheduler.update_from_output(output, _execute(scheduler, worker, output, v2))
+    return output
+
+
+def _execute(
+    scheduler: vllm_scheduler.Scheduler,
+    worker: SimulatedWorker,
+    output: SchedulerOutput,
+    v2: bool,
+) -> ModelRunnerOutput:
+    """What the model runner returns for `output`, run right after it was scheduled:
+    a token for each request whose tokens this step reach its end (async
+    scheduling counts the tokens still in flight as output placeholders)."""
     requests = scheduler.requests
     report = None
     if v2 or output.total_num_scheduled_tokens > 0:
         report = worker.run(output, requests)
     request_ids = list(output.num_scheduled_tokens)
-    sampled = [
-        [7] if requests[rid].num_computed_tokens >= requests[rid].num_tokens else []
-        for rid in request_ids
-    ]
-    scheduler.update_from_output(
-        output,
-        ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
-            sampled_token_ids=sampled,
-            ec_connector_output=(
-                None if report is None else ECConnectorOutput(ec_connector_worker_meta=report)
-            ),
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(request_ids)},
+        sampled_token_ids=[[] if requests[rid].is_prefill_chunk else [7] for rid in request_ids],
+        ec_connector_output=(
+            None if report is None else ECConnectorOutput(ec_connector_worker_meta=report)
         ),
     )
-    return output
+
+
+@dataclass
+class AsyncSteps:
+    """`EngineCore.step_with_batch_queue` over an `AsyncScheduler`, queue depth 2.
+
+    Each `step` schedules a batch while the queue has room and runs it on the
+    worker at once (as `execute_model` starts it); only when the queue is full,
+    or nothing more can be scheduled, does the oldest batch's output, with the
+    worker's report of that step, go to `update_from_output`.
+    """
+
+    scheduler: vllm_scheduler.Scheduler
+    worker: SimulatedWorker
+    v2: bool = False
+    depth: int = 2
+    _queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = field(default_factory=deque)
+
+    def step(self) -> SchedulerOutput | None:
+        """One call of `step_with_batch_queue`; returns the batch it scheduled, if any."""
+        scheduler, scheduled = self.scheduler, None
+        if scheduler.has_requests():
+            scheduled = scheduler.schedule()
+            self._queue.appendleft(
+                (scheduled, _execute(scheduler, self.worker, scheduled, self.v2))
+            )
+            executed = scheduled.total_num_scheduled_tokens > 0
+            if len(self._queue) < self.depth and (executed or scheduler.has_requests()):
+                return scheduled
+        elif not self._queue:
+            return None
+        output, result = self._queue.pop()
+        scheduler.update_from_output(output, result)
+        return scheduled
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine loop would call `step` again."""
+        return bool(self._queue) or self.scheduler.has_requests()

@@ -654,8 +654,9 @@ def test_fm4_a_load_dispatched_this_step_does_not_serve_a_reused_uuid_of_other_r
     make_scheduler: SchedulerFactory,
 ) -> None:
     """r1's 8-row item is loaded this step; r2 reuses its UUID for 4 rows. vLLM
-    normally refuses r2 itself (same identifier, other size, same step), but the
-    scheduler half must not answer its lookup with r1's load either."""
+    refuses r2 itself (same identifier, other size, same step) unless r1 was
+    preempted in the same step (test_vllm_scheduler.py reaches that): the scheduler
+    half must not answer r2's lookup with r1's load."""
     scheduler = make_scheduler()
     _save_and_report(scheduler, Item(H, embeds=8))
     r1, r2 = make_request("r1", [Item(H, embeds=8)]), make_request("r2", [Item(H, embeds=4)])

@@ -1,8 +1,9 @@
 """The scheduler half under vLLM's real v1 Scheduler (`ectools.vllm_scheduler`).
 
 vLLM decides the call order here: chunked prefill, encoder budget and encoder
-cache limits, KV-block preemption, aborts. A simulated worker checks that
-every item a step gathers holds that item's rows.
+cache limits, KV-block preemption, aborts, and (`AsyncSteps`) async scheduling,
+where a step is scheduled before the previous one reports. A simulated worker
+checks that every item a step gathers holds that item's rows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from ec_core.metadata import ECCPUConnectorMetadata
 from ectools.vllm_scheduler import (
+    AsyncSteps,
     SimulatedWorker,
     mm_request,
     real_scheduler,
@@ -57,6 +60,47 @@ def test_a_passed_over_requests_promise_does_not_load_its_rows_for_a_reused_uuid
     _drain(scheduler, worker)
     assert worker.errors == []
     assert second.scheduled_encoder_inputs == {"B": [0]}, "B's X is encoded"
+
+
+def test_a_load_for_a_request_preempted_in_the_same_step_is_not_served_to_a_reused_uuid(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Priority scheduling, one step: A's chunk reaches item X (8 rows, in the
+    region): a hit, its load dispatched. C then lacks KV blocks and preempts A,
+    which drops vLLM's reference to X; B's item Y evicts X from vLLM's encoder
+    cache, so vLLM's own row-count check no longer sees it when B asks for its X,
+    a 4-row item under the same UUID. B's X must be encoded, not served the load
+    of A's 8 rows."""
+    scheduler = real_scheduler(
+        tiny_model_dir,
+        tmp_path,
+        encoder_budget=16,
+        encoder_cache=16,
+        kv_blocks=37,
+        max_batched_tokens=64,
+        policy="priority",
+        long_prefill=16,
+    )
+    worker = SimulatedWorker()
+    scheduler.add_request(mm_request("A", [("P", 8), ("X", 8)], text=80, gap=0, priority=4))
+    assert dict(run_step(scheduler, worker).num_scheduled_tokens) == {"A": 64}
+    scheduler.add_request(mm_request("C", [], text=60))
+    scheduler.add_request(mm_request("B", [("Y", 12), ("X", 4)], text=16, gap=0))
+    # W encodes and saves X (8 rows) and Z; both are freed in vLLM's cache after this step.
+    scheduler.add_request(mm_request("W", [("X", 8), ("Z", 8)], text=0, gap=0, max_tokens=1))
+    assert run_step(scheduler, worker).scheduled_encoder_inputs == {"W": [0, 1]}
+    entry = scheduler_half(scheduler).allocator.get("X")
+    assert entry is not None and entry.ready and entry.shape == (8, 128)
+
+    third = run_step(scheduler, worker)
+    assert third.preempted_req_ids == {"A"}
+    meta = third.ec_connector_metadata
+    assert isinstance(meta, ECCPUConnectorMetadata)
+    assert "X" in meta.loads, "A's X was a hit before A was preempted"
+    assert "B" in third.num_scheduled_tokens
+    _drain(scheduler, worker)
+    assert worker.errors == []
+    assert third.scheduled_encoder_inputs == {"B": [0, 1]}, "B's X is encoded"
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
@@ -113,3 +157,73 @@ def test_random_traffic_gathers_the_right_rows_and_holds_nothing_after(
     assert half.counters.loads_dispatched > 0 and preempted > 0
     assert [e.key for e in half.allocator if not e.evictable] == []
     assert not half.flights and not half._promised
+
+
+def _async_drain(steps: AsyncSteps) -> None:
+    for _ in range(800):
+        if not steps.busy:
+            return
+        steps.step()
+    raise AssertionError("the engine never went idle")
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("seed", range(6))
+def test_async_scheduling_random_traffic_gathers_the_right_rows(
+    tiny_model_dir: str, tmp_path: Path, v2: bool, policy: str, seed: int
+) -> None:
+    """Under async scheduling (step N+1 scheduled before step N's report is
+    applied): chunked prefill, small encoder budget and cache, KV preemption,
+    aborts, late copies, items shared by requests and UUIDs reused with another
+    row count. Every gather finds its own rows, and nothing is held after."""
+    rng = random.Random(seed)
+    scheduler = real_scheduler(
+        tiny_model_dir,
+        tmp_path,
+        encoder_budget=24,
+        encoder_cache=32,
+        kv_blocks=20,
+        max_batched_tokens=12,
+        max_seqs=3,
+        policy=policy,
+        v2=v2,
+        region_bytes=40 * 128 * 4,
+        async_scheduling=True,
+    )
+    half = scheduler_half(scheduler)
+    worker = SimulatedWorker(rng, max_delay=3)
+    steps = AsyncSteps(scheduler, worker, v2=v2)
+    sizes = {f"I{i}": rng.randint(2, 16) for i in range(8)}
+    preempted = 0
+    for number in range(150):
+        if rng.random() < 0.05:  # a client reuses a UUID for an item of another size
+            sizes[rng.choice(sorted(sizes))] = rng.randint(2, 16)
+        if rng.random() < 0.4:
+            items = [rng.choice(sorted(sizes)) for _ in range(rng.randint(1, 3))]
+            scheduler.add_request(
+                mm_request(
+                    f"r{number}",
+                    [(key, sizes[key]) for key in items],
+                    text=rng.randint(0, 5),
+                    gap=rng.randint(0, 3),
+                    max_tokens=rng.randint(1, 16),
+                    priority=rng.randint(0, 3),
+                )
+            )
+        if scheduler.requests and rng.random() < 0.05:
+            victim = rng.choice(sorted(scheduler.requests))
+            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+        if steps.busy:
+            output = steps.step()
+            preempted += bool(output is not None and output.preempted_req_ids)
+        half.allocator.check()
+    _async_drain(steps)
+    for tail in range(4):  # on V1 reports come only with steps that have tokens
+        scheduler.add_request(mm_request(f"tail{tail}", [], max_tokens=1))
+        _async_drain(steps)
+    assert worker.errors == []
+    assert half.counters.loads_dispatched > 0 and half.counters.stale_dropped > 0
+    assert preempted > 0
+    assert [e.key for e in half.allocator if not e.evictable] == []
+    assert not half.flights and not half._promised and not half._stale

@@ -218,15 +218,17 @@ class ECCPUScheduler:
         # vLLM calls them once per item, and the wrapper's frame is a measurable
         # share of their cost.
         with self.lock:
-            if not self.is_consumer:
+            if not self.is_consumer or identifier in self._stale:
+                # A stale entry holds another item under this UUID: even a load of it
+                # dispatched this step (for a request vLLM then preempted, dropping
+                # the item from its own cache and so from its row-count check) would
+                # serve the other item's rows.
                 return False
             if identifier in self._promised or identifier in self._pending_loads:
-                # Unless a request since found the entry holds another row count
-                # than it needs (a reused UUID): its load serves the first one only.
-                return identifier not in self._stale
+                return True
             allocator = self.allocator
             entry = allocator.get(identifier)
-            if entry is None or not entry.ready or identifier in self._stale:
+            if entry is None or not entry.ready:
                 return False
             # The promise: pinned now, so an allocation later in this step cannot
             # evict it before update_state_after_alloc dispatches the load.
