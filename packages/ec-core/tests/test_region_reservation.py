@@ -246,6 +246,29 @@ def test_cleanup_during_the_reservation_stops_the_thread(
     watcher.close()
 
 
+def test_cleanup_removes_the_file_before_it_waits_for_the_reservation(
+    region_dir: Path, prefault_gate: PrefaultGate
+) -> None:
+    """The wait for a slow chunk may last up to `STOP_TIMEOUT_S`, longer than the
+    5 s vLLM gives a shutting-down engine before its SIGKILL: the file goes first."""
+    region = ECSharedRegion(
+        "slow-stop", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
+    )
+    prefault_gate.base = region.base_address - HEADER_BYTES
+    assert prefault_gate.entered.wait(DEADLINE_S)
+    closer = threading.Thread(target=region.cleanup)
+    closer.start()
+    try:
+        assert region._stop.wait(DEADLINE_S)
+        assert closer.is_alive(), "cleanup waits for the chunk in progress"
+        assert not region.path.exists()
+        assert _mapping_open(region), "the thread still pre-faults the mapping"
+    finally:
+        prefault_gate.release.set()
+        closer.join(DEADLINE_S)
+    assert not closer.is_alive() and not _mapping_open(region)
+
+
 def test_cleanup_hands_the_unmap_to_a_thread_that_does_not_stop_in_time(
     region_dir: Path,
     prefault_gate: PrefaultGate,

@@ -550,6 +550,38 @@ def test_shutdown_waits_then_releases_backend_then_region(config_factory: Any) -
     assert w.events.count("backend-shutdown") == 1
 
 
+def test_shutdown_removes_the_region_file_before_it_waits_for_anything(
+    config_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM SIGKILLs a worker still shutting down 5 s after it asked the engine to
+    stop: a slow copy or backend release must not keep the file alive until then.
+    The mapping stays until the end, so the copy in flight still lands."""
+
+    class Slow(HostBackend):
+        deferred = True
+
+        def _shutdown_transfer_backend(self) -> None:
+            seen.append(("backend", self.region.path.exists()))
+            super()._shutdown_transfer_backend()
+
+    seen: list[tuple[str, bool]] = []
+    w = Slow(config_factory(), rank_info=RankInfo(0, True))
+    data = torch.randn(2, WIDTH)
+    _step_save(w, {"d": [0, 1]}, {"d": data})
+    handle = w.handles[0]
+    drain = handle.synchronize
+
+    def synchronize() -> None:
+        seen.append(("drain", w.region.path.exists()))
+        drain()
+        seen.append(("landed", torch.equal(w.region.blocks[:2].view(torch.float32), data)))
+
+    monkeypatch.setattr(handle, "synchronize", synchronize)
+    w.shutdown()
+    assert seen == [("drain", False), ("landed", True), ("backend", False)]
+    assert w.region.closed
+
+
 def test_region_is_cleaned_up_even_if_the_backend_fails(config_factory: Any) -> None:
     w = HostBackend(config_factory(), rank_info=RankInfo(0, True))
     w.fail_shutdown = True

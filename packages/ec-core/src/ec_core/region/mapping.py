@@ -100,8 +100,9 @@ class ECSharedRegion:
     the watermark too. Pages are reserved synchronously anyway where the
     directory supports neither fallocate nor `MADV_POPULATE_WRITE` (touching
     pages is the only way left, and on a full tmpfs that is a SIGBUS).
-    `cleanup()` is idempotent: it stops the reservation, every process
-    unmaps, and the creator also removes the file.
+    `cleanup()` is idempotent: the creator removes the file first, then the
+    reservation stops and every process unmaps. `remove_file()` removes the
+    file alone, before anything a shutdown may wait for.
     """
 
     def __init__(
@@ -133,6 +134,7 @@ class ECSharedRegion:
         self._mmap: mmap.mmap | None = None
         self._blocks: torch.Tensor | None = None
         self._closed = False
+        self._file_removed = False
         # Page aligned, so every background chunk starts on a page boundary.
         sync_bytes = max(HEADER_BYTES, SYNC_RESERVE_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
         self._sync_end = min(self.file_bytes, sync_bytes) if background_reserve else self.file_bytes
@@ -497,20 +499,34 @@ class ECSharedRegion:
     # ------------------------------------------------------------- cleanup
 
     def cleanup(self) -> None:
-        """Unmap, release the lock and, for the creator, remove the file.
+        """For the creator, remove the file; then unmap and release the lock.
 
         Idempotent and never raises: failures are logged as warnings. Another
         process that still maps the file keeps working (POSIX keeps the pages
-        until the last mapping goes).
+        until the last mapping goes). The file goes before the wait for the
+        background reservation (see `remove_file`).
         """
         if self._closed:
             return
         self._closed = True
-        stopped = self._stop_reservation()
-        if self.is_creator:
-            self._unlink_if_ours()
-        if stopped:
+        self.remove_file()
+        if self._stop_reservation():
             self._release_mapping()
+
+    def remove_file(self) -> None:
+        """For the creator, remove the region's file now; the mapping stays until `cleanup()`.
+
+        Idempotent and never raises. Copies in flight, the background
+        reservation and other processes that map the file keep working (the
+        pages live while a mapping or descriptor does). A shutdown calls this
+        before anything it may wait for: vLLM SIGKILLs an engine's processes
+        that are still shutting down 5 s after asking them to stop, and a file
+        left then holds its pages until the next engine starts in this
+        directory (which sweeps it).
+        """
+        if self.is_creator and not self._file_removed:
+            self._file_removed = True
+            self._unlink_if_ours()
 
     def _stop_reservation(self) -> bool:
         """Stop the background reservation; True once the mapping may be released.
@@ -585,10 +601,8 @@ class ECSharedRegion:
     def _abort(self) -> None:
         """Undo a failed construction: never leave a half-made file behind."""
         self._closed = True
-        stopped = self._stop_reservation()
-        if self.is_creator:
-            self._unlink_if_ours()
-        if stopped:
+        self.remove_file()
+        if self._stop_reservation():
             self._release_mapping()
 
 

@@ -83,8 +83,9 @@ class ECCPUWorker(WorkerHooks):
         and reported failed (the entry is encoded again later);
       * every step this worker runs produces a report naming its rank and the
         step up to which its copies have settled (see ECCPUWorkerReport);
-      * shutdown waits for copies in flight, then releases the backend, then
-        the region — the region's cleanup happens even if the backend fails.
+      * shutdown removes the region's file (the creator's) first, then waits
+        for copies in flight, releases the backend, then unmaps the region —
+        the region's cleanup happens even if the backend fails.
     """
 
     registers_whole_region: ClassVar[bool] = False
@@ -576,10 +577,15 @@ class ECCPUWorker(WorkerHooks):
     # ------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
-        """Wait for copies, release the backend, then the region. Idempotent."""
+        """Remove the region's file, wait for copies, release the backend, then
+        unmap the region. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        # Before any wait: vLLM SIGKILLs a worker still shutting down 5 s after it
+        # asked the engine to stop, and the file would then outlive it. The
+        # mapping stays, so copies in flight still land.
+        self.region.remove_file()
         try:
             self._inflight.drain()
             self._pending_saves.clear()
