@@ -847,3 +847,24 @@ def test_an_items_row_count_honours_its_embedding_mask() -> None:
     )
     assert _num_embeds(plain) == 9 and "embeds_cumsum" not in vars(plain)
     assert _num_embeds(masked) == masked.get_num_embeds() == 3
+
+
+def test_invalidate_forgets_every_entry_and_those_in_use_once_their_copies_end(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """After vLLM resets its encoder cache (new model weights) no entry saved before
+    is loaded again: a free one goes at once, one being loaded or saved when its
+    copy is reported, and the same items saved afterwards are loadable again."""
+    scheduler = make_scheduler(blocks=64)
+    _save_and_report(scheduler, Item("free"), Item("loading"))
+    driver = StepDriver(scheduler)
+    step = driver.step([make_request("r", [Item("loading"), Item("saving")])])
+    assert list(step.meta.loads) == ["loading"] and list(step.meta.saves) == ["saving"]
+    scheduler.invalidate()  # with that load and that save in flight
+    assert "free" not in scheduler.allocator
+    assert not any(scheduler.has_cache_item(key) for key in ("free", "loading", "saving"))
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(step.meta)))
+    assert len(scheduler.allocator) == 0 and not scheduler._stale
+    assert scheduler.allocator.num_free_blocks == 64
+    _save_and_report(scheduler, Item("free"), Item("saving"))  # encoded with the new weights
+    assert scheduler.has_cache_item("free") and scheduler.has_cache_item("saving")

@@ -227,3 +227,26 @@ def test_async_scheduling_random_traffic_gathers_the_right_rows(
     assert preempted > 0
     assert [e.key for e in half.allocator if not e.evictable] == []
     assert not half.flights and not half._promised and not half._stale
+
+
+def test_vllms_encoder_cache_reset_forgets_the_region_too(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM resets its encoder cache when the model's weights change, and tells no
+    EC connector: the connector wraps that reset, so an item saved before it is
+    encoded again afterwards, not loaded with the old weights' rows."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path, max_batched_tokens=16)
+    worker = SimulatedWorker()
+    scheduler.add_request(mm_request("before", [("X", 8)]))
+    _drain(scheduler, worker)
+    scheduler.add_request(mm_request("evict", [("F1", 16), ("F2", 16)]))
+    _drain(scheduler, worker)  # X leaves vLLM's own encoder cache; the region keeps it
+    half = scheduler_half(scheduler)
+    assert half.allocator.get("X") is not None
+    scheduler.reset_encoder_cache()
+    assert half.allocator.get("X") is None
+    scheduler.add_request(mm_request("after", [("X", 8)]))
+    first = run_step(scheduler, worker)
+    assert first.scheduled_encoder_inputs == {"after": [0]}, "X is encoded again"
+    _drain(scheduler, worker)
+    assert worker.errors == [] and half.counters.hits == 0

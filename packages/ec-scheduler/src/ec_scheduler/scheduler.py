@@ -516,6 +516,49 @@ class ECCPUScheduler:
             if name in totals:  # the worker counters; anything else is not summed
                 totals[name] += value
         self.settlement.apply(report)
+        if self._stale:
+            self._drop_free_stale()
+
+    def _drop_free_stale(self) -> None:
+        """Drop the stale entries nothing holds any more (a save or fetch marked stale
+        by `invalidate` that has since landed), and forget stale keys that are gone."""
+        allocator = self.allocator
+        free = [key for key in self._stale if (e := allocator.get(key)) is None or e.evictable]
+        for key in free:
+            self._stale.discard(key)
+            if key in allocator:
+                allocator.drop(key)
+
+    @_locked
+    def invalidate(self) -> None:
+        """Forget every entry: they hold encoder outputs of the model's weights before
+        vLLM reset its encoder cache (a weight update; `shell.weight_updates`).
+
+        Ready, unpinned entries are dropped at once. An entry still in use (pinned
+        by a load or a peer's lease, or not ready: a save or a fetch in flight) is
+        marked stale: from now on it is never loaded or served, and it is dropped
+        as soon as nothing holds it (its last pin, or the report of its copy).
+        """
+        if self._shut_down:
+            return
+        for key in self._promised:
+            self._release_pin(key)
+        self._promised.clear()
+        allocator = self.allocator
+        entries = list(allocator)
+        held = 0
+        for entry in entries:
+            if entry.evictable:
+                allocator.drop(entry.key)
+            else:
+                self._stale.add(entry.key)
+                held += 1
+        logger.info(
+            "EC CPU tier: vLLM reset its encoder cache (model weights changed): %d entries "
+            "dropped, %d more once their copies end",
+            len(entries) - held,
+            held,
+        )
 
     @_locked
     def _apply_side_reports(self) -> None:

@@ -48,7 +48,7 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.sizes import format_bytes
 from ec_core.stats import ECCPUConnectorStats
 from ec_scheduler.scheduler import ECCPUScheduler
-from ec_scheduler.shell import backends
+from ec_scheduler.shell import backends, weight_updates
 from ec_scheduler.shell.backends import CONNECTOR_NAME, Backend
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ class ECCPUTierConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
             self._log_startup(vllm_config, self._scheduler)
+            weight_updates.install()  # vLLM's encoder-cache reset reaches the region
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config)
         else:
@@ -216,6 +217,13 @@ class ECCPUTierConnector(ECConnectorBase):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def reset_encoder_outputs(self) -> None:
+        """vLLM reset its encoder cache (the model's weights changed): the region's
+        entries are forgotten too (`ECCPUScheduler.invalidate`; called through
+        `shell.weight_updates`, vLLM has no connector hook for it)."""
+        if self._scheduler is not None:
+            self._scheduler.invalidate()
 
     # ---------------------------------------------------------- stats
 
