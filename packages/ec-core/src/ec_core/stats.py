@@ -122,8 +122,10 @@ class ECCPUConnectorStats(ECConnectorStats):
     `aggregate` sums counters and keeps each engine's newest gauges; once
     stats of several engines have met (vLLM's aggregated log line of
     data-parallel engines, `--aggregate-engine-logging`), each gauge is the
-    sum over those engines, like the counters. `reduce` returns the figures
-    for the log line, with the hit rate of the interval.
+    sum over those engines, like the counters. Only engines that handed
+    stats over in the interval are in that sum (an engine hands over only
+    when a counter moved; vLLM starts each interval afresh). `reduce` returns
+    the figures for the log line, with the hit rate of the interval.
     """
 
     _engine_gauges: dict[object, dict[str, float]] = field(
