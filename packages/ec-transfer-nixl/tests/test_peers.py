@@ -747,3 +747,25 @@ def test_a_read_nixl_never_released_keeps_the_region_mapped(
         assert any("1 READ(s) NIXL never released" in r.getMessage() for r in ec_log.records)
     finally:
         source._region.cleanup()
+
+
+def test_a_handle_issued_before_a_weight_update_is_not_served_after_it(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """A producer issues a handle (its lease pins the entry), then vLLM resets its
+    encoder cache (new weights): a consumer claiming that handle afterwards must not
+    keep the bytes it READ at once: the claim answers LAPSED, the item is looked up
+    (missing now) and encoded on the consumer."""
+    producer, consumer, _ = _pair(make_engine, producer=HANDLE_LEASES, **PATIENT)
+    first, item = Item("img-known", 4), Item("img-old", 6)
+    producer.save(first, item)
+    consumer.wait_available(make_request("r0", [first]))  # learns the producer's agent
+    params = _handle_of(producer, item)
+    producer.scheduler.invalidate()  # what vLLM's reset_encoder_cache now leads to
+    request = make_request("r", [item])
+    request.ec_transfer_params = params
+    consumer.wait_available(request)
+    assert _fetcher(consumer).handle_reads == 1, "read at once, before the claim's answer"
+    assert StepDriver(consumer.scheduler).step([request]).looked_up == {"img-old": False}
+    _wait_unpinned(producer)
+    assert producer.scheduler.allocator.get("img-old") is None, "dropped once let go of"

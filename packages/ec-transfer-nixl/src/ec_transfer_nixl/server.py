@@ -320,7 +320,12 @@ class PeerServer:
         asked: dict[str, int] = {}
         for key, lease in zip(keys, under, strict=True):
             asked.setdefault(key, lease)  # a key named twice: answered once, under its first
-        by_lease = keys_by_lease(asked, asked)
+        # An entry invalidated since its handle was issued (vLLM reset its encoder
+        # cache: new weights) is not claimed: LAPSED, and its lease lets go of it
+        # (a lease is claimed even when none of its keys is, which releases them).
+        current = [key for key in asked if self._local.state(key) == "ready"]
+        by_lease: dict[int, list[str]] = {lease: [] for lease in asked.values() if lease}
+        by_lease.update(keys_by_lease(asked, current))
         found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}
         reply.lease = lookup.claim if lookup.claim in found else 0
         results, leases = reply.results, reply.leases
