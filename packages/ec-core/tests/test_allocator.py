@@ -9,6 +9,7 @@ import pytest
 from ec_core.scheduler_process.allocator import AllocatorError, BlockAllocator, Entry
 from ec_core.scheduler_process.extents import FreeExtents
 from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
+from ectools.policies import WindowLRU
 
 
 def test_free_extents_merge_neighbours() -> None:
@@ -66,14 +67,8 @@ def test_free_extents_take_from_carves_the_named_run_only() -> None:
     free.check()
 
 
-class _WindowLRU(LRUPolicy):
-    """LRU order, but windows of neighbours allowed (a policy whose order is not strict)."""
-
-    strict_order = False
-
-
 def test_the_victim_that_opens_a_run_is_carved_where_it_was() -> None:
-    alloc = BlockAllocator(12, _WindowLRU())
+    alloc = BlockAllocator(12, WindowLRU())
     for key in ("a", "b", "c"):
         assert alloc.alloc(key, 4) is not None
         alloc.mark_ready(key)
@@ -353,6 +348,17 @@ def test_million_block_pool_costs_no_per_block_work() -> None:
     alloc.check()
 
 
+def _fill_with_one_block_entries(alloc: BlockAllocator, count: int) -> None:
+    """Saves `count` ready one-block entries `small0`, `small1`, ..., each asked
+    for twice first so that an admitting policy keeps it."""
+    for i in range(count):
+        key = f"small{i}"
+        alloc.note_request(key)
+        alloc.note_request(key)
+        assert alloc.alloc(key, 1) is not None
+        alloc.mark_ready(key)
+
+
 def test_a_window_of_many_victims_costs_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Growing a window over k neighbours compares entries O(k) times, not O(k^2).
 
@@ -378,12 +384,7 @@ def test_a_window_of_many_victims_costs_linear_work(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(allocator_module, "Entry", CountingEntry)
     k = 1000
     alloc = BlockAllocator(2 * k, S3LFUPolicy(2 * k))
-    for i in range(2 * k):
-        key = f"small{i}"
-        alloc.note_request(key)
-        alloc.note_request(key)
-        assert alloc.alloc(key, 1) is not None
-        alloc.mark_ready(key)
+    _fill_with_one_block_entries(alloc, 2 * k)
     alloc.note_request("big")
     alloc.note_request("big")
     comparisons = 0
@@ -414,12 +415,7 @@ def test_a_window_search_for_a_huge_entry_grows_one_window_not_one_per_seed() ->
     k = 1000
     alloc = BlockAllocator(8 * k, S3LFUPolicy(8 * k))
     alloc._run_ending = CountingDict()
-    for i in range(8 * k):
-        key = f"small{i}"
-        alloc.note_request(key)
-        alloc.note_request(key)
-        assert alloc.alloc(key, 1) is not None
-        alloc.mark_ready(key)
+    _fill_with_one_block_entries(alloc, 8 * k)
     alloc.note_request("big")
     alloc.note_request("big")
     lookups = 0

@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy, make_policy
+from ectools.policies import WindowLRU
 
 POOL = 64
 
@@ -132,14 +133,8 @@ TestAllocatorS3LFU = S3LFUMachine.TestCase
 TestAllocatorS3LFU.settings = _settings
 
 
-class _WindowLRU(LRUPolicy):
-    """LRU order with windows of neighbours allowed (its order is not strict)."""
-
-    strict_order = False
-
-
 def _policy(name: str, pool: int) -> EvictionPolicy:
-    return _WindowLRU() if name == "window-lru" else make_policy(name, pool)
+    return WindowLRU() if name == "window-lru" else make_policy(name, pool)
 
 
 @pytest.mark.parametrize("policy", ["window-lru", "s3lfu"])
@@ -241,6 +236,6 @@ def test_a_strict_lru_order_serves_what_plain_lru_serves(seed: int) -> None:
     trace = _recency_trace(seed)
     ideal = _byte_hit_ratio_of_plain_lru(trace)
     strict = _byte_hit_ratio_through_allocator(LRUPolicy(), trace)
-    windows = _byte_hit_ratio_through_allocator(_WindowLRU(), trace)
+    windows = _byte_hit_ratio_through_allocator(WindowLRU(), trace)
     assert strict >= 0.99 * ideal, (strict, ideal)
     assert windows < strict, (windows, strict)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
+from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler import ECCPUScheduler
 from ec_scheduler.remote import LocalEntries
 from ectools.driving import Item, StepDriver, make_request
@@ -76,3 +78,27 @@ def test_a_reservation_lands_or_is_abandoned_once(make_scheduler: SchedulerFacto
     assert "b" not in scheduler.allocator
     assert not local.landed("b")
     scheduler.allocator.check()
+
+
+def test_the_states_of_several_entries_are_read_under_one_acquisition_of_the_lock() -> None:
+    """`state_many` answers as `state` does for each key (a key asked twice is answered
+    twice), with the reports that arrived off the engine loop applied once for all."""
+    allocator = BlockAllocator(16)
+    for key in ("ready", "stale"):
+        assert allocator.alloc(key, 2) is not None
+        allocator.mark_ready(key)
+    assert allocator.alloc("saving", 2) is not None
+    refreshes: list[None] = []
+    local = LocalEntries(
+        allocator,
+        threading.RLock(),
+        lambda key: None,
+        {"stale"}.__contains__,
+        lambda rows, cols: rows,
+        refresh=lambda: refreshes.append(None),
+    )
+    keys = ["ready", "saving", "stale", "unknown", "ready"]
+    expected = ["ready", "saving", "missing", "missing", "ready"]
+    assert local.state_many(keys) == expected
+    assert len(refreshes) == 1
+    assert [local.state(key) for key in keys] == expected

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from ec_core.metadata import ECCPUConnectorMetadata
 from ectools.vllm_scheduler import (
@@ -31,6 +31,32 @@ def _drain(scheduler: Scheduler, worker: SimulatedWorker, *, v2: bool = False) -
         if not scheduler.has_requests():
             return
         run_step(scheduler, worker, v2=v2)
+
+
+def _random_request(
+    rng: random.Random, number: int, sizes: dict[str, int], *, repeats: bool
+) -> Request:
+    """Request `r{number}` with one to three of the items in `sizes` (the same
+    item more than once where `repeats`), at random offsets and settings."""
+    if repeats:
+        items = [rng.choice(sorted(sizes)) for _ in range(rng.randint(1, 3))]
+    else:
+        items = rng.sample(sorted(sizes), rng.randint(1, 3))
+    return mm_request(
+        f"r{number}",
+        [(key, sizes[key]) for key in items],
+        text=rng.randint(0, 5),
+        gap=rng.randint(0, 3),
+        max_tokens=rng.randint(1, 16),
+        priority=rng.randint(0, 3),
+    )
+
+
+def _maybe_abort(scheduler: Scheduler, rng: random.Random) -> None:
+    """Now and then (one time in twenty), the client aborts a random request."""
+    if scheduler.requests and rng.random() < 0.05:
+        victim = rng.choice(sorted(scheduler.requests))
+        scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
 
 
 def test_a_passed_over_requests_promise_does_not_load_its_rows_for_a_reused_uuid(
@@ -132,20 +158,8 @@ def test_random_traffic_gathers_the_right_rows_and_holds_nothing_after(
     preempted = 0
     for number in range(100):
         if rng.random() < 0.4:
-            items = rng.sample(sorted(sizes), rng.randint(1, 3))
-            scheduler.add_request(
-                mm_request(
-                    f"r{number}",
-                    [(key, sizes[key]) for key in items],
-                    text=rng.randint(0, 5),
-                    gap=rng.randint(0, 3),
-                    max_tokens=rng.randint(1, 16),
-                    priority=rng.randint(0, 3),
-                )
-            )
-        if scheduler.requests and rng.random() < 0.05:
-            victim = rng.choice(sorted(scheduler.requests))
-            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            scheduler.add_request(_random_request(rng, number, sizes, repeats=False))
+        _maybe_abort(scheduler, rng)
         if scheduler.has_requests():
             preempted += bool(run_step(scheduler, worker, v2=v2).preempted_req_ids)
         half.allocator.check()
@@ -200,20 +214,8 @@ def test_async_scheduling_random_traffic_gathers_the_right_rows(
         if rng.random() < 0.05:  # a client reuses a UUID for an item of another size
             sizes[rng.choice(sorted(sizes))] = rng.randint(2, 16)
         if rng.random() < 0.4:
-            items = [rng.choice(sorted(sizes)) for _ in range(rng.randint(1, 3))]
-            scheduler.add_request(
-                mm_request(
-                    f"r{number}",
-                    [(key, sizes[key]) for key in items],
-                    text=rng.randint(0, 5),
-                    gap=rng.randint(0, 3),
-                    max_tokens=rng.randint(1, 16),
-                    priority=rng.randint(0, 3),
-                )
-            )
-        if scheduler.requests and rng.random() < 0.05:
-            victim = rng.choice(sorted(scheduler.requests))
-            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            scheduler.add_request(_random_request(rng, number, sizes, repeats=True))
+        _maybe_abort(scheduler, rng)
         if steps.busy:
             output = steps.step()
             preempted += bool(output is not None and output.preempted_req_ids)

@@ -961,6 +961,18 @@ def _request(request_id: str, **params: Any) -> Any:
     return SimpleNamespace(request_id=request_id, ec_transfer_params=params or None)
 
 
+def _the_steps_lookup(machine: FetchMachine, source: Any) -> Lookup:
+    """End the scheduler's step: begin the fetches it handed over and run one pass.
+    The one Lookup this sent the first peer, taken off its socket to be answered."""
+    source.step_done()
+    for task in machine.fetcher._take_tasks():
+        machine.fetcher._begin(task)
+    machine.fetcher._tick(_now[0])
+    (lookup,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(lookup)
+    return lookup
+
+
 def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done() -> None:
     """r2 needs k0, which r1's fetch brings, and k1, which r2's own fetch brings. Once
     r2's fetch is done, k0's is still in flight: r2 must keep waiting for it (as on its
@@ -972,12 +984,7 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     r1, r2 = _request("r1"), _request("r2")
     assert source.wants(r1, [k0])
     assert source.wants(r2, [k0, k1]), "k0 is on its way, k1 is fetched for r2"
-    source.step_done()
-    for task in fetcher._take_tasks():
-        fetcher._begin(task)
-    fetcher._tick(_now[0])
-    (lookup,) = machine._lookups(peer)
-    machine.sockets[peer].sent.remove(lookup)
+    lookup = _the_steps_lookup(machine, source)
     results = [("k0", SAVING, []), ("k1", OK, [(0, COLS * ITEMSIZE)])]
     fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
     _finish_reads(machine)
@@ -1009,12 +1016,7 @@ def test_requests_that_waited_on_a_fetch_that_failed_go_on_instead_of_fetching_a
     k0 = Wanted("k0", 1, COLS)
     requests = [_request(f"r{i}") for i in (1, 2, 3)]
     assert all(source.wants(request, [k0]) for request in requests), "k0 is on its way"
-    source.step_done()
-    for task in fetcher._take_tasks():
-        fetcher._begin(task)
-    fetcher._tick(_now[0])
-    (lookup,) = machine._lookups(peer)
-    machine.sockets[peer].sent.remove(lookup)
+    lookup = _the_steps_lookup(machine, source)
     saving = machine._reply(lookup, status=OK, results=[("k0", SAVING, [])])
     fetcher._apply(fetcher._links[peer], saving)
     _now[0] += LOOKUP_S + 0.1  # the save never lands in time
@@ -1040,11 +1042,7 @@ def test_an_incompatible_handle_counts_each_item_encoded_here_once() -> None:
     handle = {"ec_cpu_tier": {"peer": str(PEERS[1]), "fingerprint": "other", "items": {}}}
     request = _request("r1", **handle)
     assert source.wants(request, [Wanted("k0", 1, COLS)])
-    source.step_done()
-    for task in fetcher._take_tasks():
-        fetcher._begin(task)
-    fetcher._tick(_now[0])
-    (lookup,) = machine._lookups(peer)
+    lookup = _the_steps_lookup(machine, source)
     results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
     fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
     _finish_reads(machine)

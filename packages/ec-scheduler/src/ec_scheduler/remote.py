@@ -125,12 +125,21 @@ class LocalEntries:
     # ------------------------------------------------------ producer side
 
     def state(self, key: str) -> EntryState:
+        return self.state_many((key,))[0]
+
+    def state_many(self, keys: Iterable[str]) -> list[EntryState]:
+        """`state` for each key, under one acquisition of the lock."""
         with self._lock:
             self._refresh()
-            entry = self._allocator.get(key)
-            if entry is None or self._is_stale(key):
-                return "missing"
-            return "ready" if entry.ready else "saving"
+            get, stale = self._allocator.get, self._is_stale
+            out: list[EntryState] = []
+            for key in keys:
+                entry = get(key)
+                if entry is None or stale(key):
+                    out.append("missing")
+                else:
+                    out.append("ready" if entry.ready else "saving")
+            return out
 
     def shape(self, key: str) -> tuple[int, int] | None:
         with self._lock:

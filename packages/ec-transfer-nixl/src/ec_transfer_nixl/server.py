@@ -323,7 +323,8 @@ class PeerServer:
         # An entry invalidated since its handle was issued (vLLM reset its encoder
         # cache: new weights) is not claimed: LAPSED, and its lease lets go of it
         # (a lease is claimed even when none of its keys is, which releases them).
-        current = [key for key in asked if self._local.state(key) == "ready"]
+        states = self._local.state_many(asked)
+        current = [key for key, state in zip(asked, states, strict=True) if state == "ready"]
         by_lease: dict[int, list[str]] = {lease: [] for lease in asked.values() if lease}
         by_lease.update(keys_by_lease(asked, current))
         found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}

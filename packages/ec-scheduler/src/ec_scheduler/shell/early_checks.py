@@ -25,10 +25,10 @@ Guarantees:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from ec_scheduler.shell import backends
+from ec_scheduler.shell.wrapping import wrap_once
 
 _MARK = "_ec_cpu_tier_early_checks"
 _OUR_MODULES = ("ec_scheduler", "ec_worker_", "ec_transfer_")
@@ -85,15 +85,8 @@ def install() -> bool:
         from vllm.config import VllmConfig
     except ImportError:
         return False
-    original = getattr(VllmConfig, "__post_init__", None)
-    if original is None or getattr(original, _MARK, False):
-        return False
 
-    @functools.wraps(original)
-    def post_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        check(self)
+    def after(config: Any) -> None:
+        check(config)  # looked up at each call, not bound at install: tests patch it
 
-    setattr(post_init, _MARK, True)
-    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
-    return True
+    return wrap_once(VllmConfig, "__post_init__", _MARK, after)

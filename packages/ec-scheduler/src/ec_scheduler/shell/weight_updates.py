@@ -18,10 +18,18 @@ whose weights did not change keeps serving its own entries.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from ec_scheduler.shell.wrapping import wrap_once
+
 _MARK = "_ec_cpu_tier_weight_updates"
+
+
+def _reset_region(scheduler: Any) -> None:
+    """After vLLM's reset: a connector of this project forgets its entries too."""
+    reset = getattr(getattr(scheduler, "ec_connector", None), "reset_encoder_outputs", None)
+    if callable(reset):
+        reset()
 
 
 def install() -> bool:
@@ -30,18 +38,4 @@ def install() -> bool:
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError:
         return False
-    original = getattr(Scheduler, "reset_encoder_cache", None)
-    if original is None or getattr(original, _MARK, False):
-        return False
-
-    @functools.wraps(original)
-    def reset_encoder_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        reset = getattr(getattr(self, "ec_connector", None), "reset_encoder_outputs", None)
-        if callable(reset):
-            reset()
-        return result
-
-    setattr(reset_encoder_cache, _MARK, True)
-    Scheduler.reset_encoder_cache = reset_encoder_cache  # type: ignore[method-assign]
-    return True
+    return wrap_once(Scheduler, "reset_encoder_cache", _MARK, _reset_region)
