@@ -158,3 +158,19 @@ def test_an_ipv6_literal_keeps_its_brackets_wherever_it_is_written() -> None:
     plain = PeerAddress.parse("ec_peers", "10.0.0.5:5710")
     assert not plain.is_ipv6 and plain.endpoint == "tcp://10.0.0.5:5710"
     assert str(PeerAddress.parse("ec_peers", "encoder-0.local:5710")) == "encoder-0.local:5710"
+
+
+def test_an_empty_secret_in_the_environment_is_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EC_CPU_TIER_PEER_SECRET=` (set, but empty: a template's default, an unset
+    variable passed through) is no secret: an engine with no peer key runs without
+    the cross-engine layer. It was taken for a secret too short and refused the
+    engine, saying a secret is required "with ec_peer_listen or ec_peers", neither
+    of which was set. A peer key still needs a real secret."""
+    monkeypatch.setenv(SECRET_ENV, "")
+    assert parse_peer_settings({}, "ec_both") is None
+    settings = ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096}, block_size_bytes=512, role="ec_both"
+    )
+    assert settings.peers is None
+    with pytest.raises(ValueError, match=r"\['ec_peer_secret'\] = <hidden>.*shared secret"):
+        parse_peer_settings({"ec_peers": ["h:1"]}, "ec_consumer")

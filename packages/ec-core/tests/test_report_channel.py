@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -182,3 +183,19 @@ def test_only_an_encode_only_v1_engine_that_serves_peers_needs_it() -> None:
     assert not report_channel.needed(Config(True, False, False), listening=False)
     assert not report_channel.needed(Config(True, True, False), listening=True)
     assert not report_channel.needed(Config(True, False, True), listening=True)
+
+
+def test_a_region_directory_whose_name_is_not_utf8_has_a_channel(tmp_path: object) -> None:
+    """`ec_cpu_dir` may be any existing directory, its name in bytes that are not UTF-8
+    too (Python reads them as lone surrogates): the settings accept it and the region
+    is made there. The channel's address encoded the path as strict UTF-8, so an
+    encode-only engine serving peers failed at start-up, in the scheduler and in
+    every worker, with UnicodeEncodeError."""
+    path = os.fsdecode(os.fsencode(f"{tmp_path}") + b"/cach\xe9/region.mmap")
+    address = report_channel.endpoint(path)
+    assert address.startswith("ipc://@ec-cpu-tier-reports-")
+    assert address != report_channel.endpoint(f"{tmp_path}/cach/region.mmap")
+    # A UTF-8 path keeps its address (workers and scheduler of one version agree anyway).
+    utf8 = f"{tmp_path}/région.mmap"
+    digest = hashlib.sha256(utf8.encode()).hexdigest()[:32]
+    assert report_channel.endpoint(utf8) == f"ipc://@ec-cpu-tier-reports-{digest}"

@@ -233,6 +233,23 @@ def test_a_bad_setting_raises_where_the_config_is_built(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_directory_name_that_is_not_utf8_is_refused_naming_the_key(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """A directory named in bytes that are not UTF-8 (from the command line, which
+    Python decodes with surrogates) that does not exist: the message put the path in
+    as text, pydantic could not encode it, and the user saw only "UnicodeEncodeError:
+    'utf-8' codec can't encode character '\\udcff'", naming no key."""
+    missing = os.fsdecode(os.fsencode(tmp_path) + b"/cach\xe9/shm")
+    with pytest.raises(ValueError, match=r"\['ec_cpu_dir'\].*not an existing directory") as info:
+        make_vllm_config(
+            tiny_model_dir,
+            extra={"ec_cpu_bytes": "1MiB", "ec_cpu_dir": missing},
+            early_checks=True,
+        )
+    assert "cach\\xe9" in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["ECCPUTierConnector", "CpuECCPUConnector"])
 def test_a_good_config_naming_the_connector_passes_the_early_check(
     tiny_model_dir: str, tmp_path: Path, name: str

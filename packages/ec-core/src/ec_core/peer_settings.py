@@ -21,7 +21,7 @@ KEY_FETCH_TIMEOUT = "ec_peer_fetch_timeout_s"
 KEY_LEASE = "ec_peer_lease_s"
 KEY_HANDLE_LEASE = "ec_peer_handle_lease_s"
 SECRET_ENV = "EC_CPU_TIER_PEER_SECRET"
-"""Environment variable read when `ec_peer_secret` is not in the config."""
+"""Environment variable read when `ec_peer_secret` is not in the config (empty: unset)."""
 
 KEYS = frozenset(
     {
@@ -120,7 +120,9 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
     producer-only engine, for peer keys without a secret, and for a secret
     (from the config or the environment) that does not encode as UTF-8.
     """
-    secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV))
+    # An empty variable is no secret (a template's default, an unset variable passed
+    # through): alone it must not turn the layer on, and then refuse the engine.
+    secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV) or None)
     if KEY_LISTEN not in extra and KEY_PEERS not in extra and secret_raw is None:
         for key in (KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE, KEY_HANDLE_LEASE):
             if key in extra:

@@ -61,7 +61,9 @@ def drops_reports(vllm_config: Any) -> bool:
 
 def endpoint(region_path: str | os.PathLike[str]) -> str:
     """The channel's address for the engine that owns `region_path`."""
-    digest = hashlib.sha256(os.fspath(region_path).encode()).hexdigest()[:32]
+    # The path's bytes: a directory named in bytes that are not UTF-8 is a valid
+    # ec_cpu_dir, and strict UTF-8 would refuse its lone surrogates.
+    digest = hashlib.sha256(os.fsencode(region_path)).hexdigest()[:32]
     return f"ipc://@ec-cpu-tier-reports-{digest}"
 
 

@@ -177,13 +177,24 @@ def _parse_dir(raw: object) -> Path:
     try:
         is_dir = path.is_dir()
     except OSError as exc:  # a parent this user cannot search (EACCES), a name too long
-        raise _invalid(KEY_REGION_DIR, raw, f"cannot look at {path}: {exc.strerror}") from None
+        raise _invalid(
+            KEY_REGION_DIR, raw, f"cannot look at {_shown(path)}: {exc.strerror}"
+        ) from None
     if not is_dir:
-        raise _invalid(KEY_REGION_DIR, raw, f"{path} is not an existing directory")
+        raise _invalid(KEY_REGION_DIR, raw, f"{_shown(path)} is not an existing directory")
     # Read too: workers open the directory to lock it and list it for stale files.
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        raise _invalid(KEY_REGION_DIR, raw, f"{path} is not readable and writable by this user")
+        raise _invalid(
+            KEY_REGION_DIR, raw, f"{_shown(path)} is not readable and writable by this user"
+        )
     return path
+
+
+def _shown(path: Path) -> str:
+    """`path` for a message: bytes that are not UTF-8 (lone surrogates in the text, as
+    Python decodes them from the command line) as `\\xNN`, so that the message can
+    be encoded (pydantic, which carries the early check's error, must)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _parse_seconds(key: str, raw: object, *, allow_zero: bool) -> float:
