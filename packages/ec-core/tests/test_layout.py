@@ -95,13 +95,22 @@ def test_needs_an_ec_transfer_config(tiny_model_dir: str) -> None:
     ],
 )
 def test_copying_ranks_spread_over_hosts_are_refused_naming_the_layout(
-    tiny_model_dir: str, tmp_path: Path, nnodes: int, tp: int, pcp: int, pp: int, refused: bool
+    tiny_model_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    nnodes: int,
+    tp: int,
+    pcp: int,
+    pp: int,
+    refused: bool,
 ) -> None:
     """A rank on another host than the saving rank would map a region of its own there
     and load bytes nobody saved, silently: such a layout must fail at start-up."""
     config = make_vllm_config(
         tiny_model_dir, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
     )
+    # Pipeline stages need the V2 runner (see the test below); the hosts are checked here.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     parallel = config.parallel_config
     # vLLM checks these against the devices it sees; the layout check reads them only.
     parallel.nnodes = nnodes
@@ -112,6 +121,56 @@ def test_copying_ranks_spread_over_hosts_are_refused_naming_the_layout(
     if refused:
         spread = rf"ranks that copy entries on one host.*{nnodes} hosts"
         with pytest.raises(ValueError, match=spread):
+            region_layout(config)
+    else:
+        assert region_layout(config).num_blocks > 0
+
+
+@pytest.mark.parametrize("role", ["ec_both", "ec_consumer"])
+def test_pipeline_parallelism_on_the_v1_runner_is_refused(
+    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, role: str
+) -> None:
+    """vLLM's V1 runner runs the connector on the first pipeline stage, and a stage that is
+    not the last returns its hidden states without the connector's output: no copy is
+    ever reported, no save becomes ready, and the blocks of every save and load stay held.
+    Such an engine must fail at start-up; the V2 runner passes the first stage's output on."""
+    config = make_vllm_config(
+        tiny_model_dir, role=role, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    parallel = config.parallel_config
+    parallel.pipeline_parallel_size = 2
+    parallel.world_size = 2
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ValueError, match=r"pipeline parallelism.*V1 model runner"):
+        region_layout(config)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert region_layout(config).num_blocks > 0
+
+
+@pytest.mark.parametrize(("tp", "pp", "refused"), [(2, 1, True), (1, 2, True), (1, 1, False)])
+def test_an_engine_in_every_rank_process_is_refused(
+    tiny_model_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tp: int,
+    pp: int,
+    refused: bool,
+) -> None:
+    """vLLM's external_launcher (torchrun) runs a whole engine, scheduler included, in each
+    rank's process. Each scheduler hears only its own rank's reports, and only rank 0
+    saves: rank 0's engine loads an item the other ranks' engines encode, and the ranks,
+    which must run the same steps in lockstep, part ways (a hang in their collectives)."""
+    config = make_vllm_config(
+        tiny_model_dir, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the pipeline check aside
+    parallel = config.parallel_config
+    parallel.distributed_executor_backend = "external_launcher"
+    parallel.tensor_parallel_size = tp
+    parallel.pipeline_parallel_size = pp
+    parallel.world_size = tp * pp
+    if refused:
+        with pytest.raises(ValueError, match=rf"external_launcher.*{tp * pp} ranks"):
             region_layout(config)
     else:
         assert region_layout(config).num_blocks > 0

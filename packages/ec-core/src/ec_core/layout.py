@@ -69,6 +69,7 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
             "outputs can be neither saved to nor loaded from the region"
         )
     _check_copiers_share_a_host(vllm_config.parallel_config)
+    _check_reports_reach_one_scheduler(vllm_config)
     dtype = model_config.dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")
@@ -147,4 +148,44 @@ def _check_copiers_share_a_host(parallel: object) -> None:
             "the other hosts would load bytes nobody saved there. Keep tensor and context "
             "parallelism within a host (spread pipeline stages across hosts instead) or "
             "run without --ec-transfer-config"
+        )
+
+
+def _check_reports_reach_one_scheduler(vllm_config: VllmConfig) -> None:
+    """Raise ValueError where the ranks' reports cannot all reach one scheduler.
+
+    The scheduler marks a save ready, and lets a load's blocks go, only on the
+    workers' reports, and every rank loads what it tells them to:
+      * vLLM's `external_launcher` (torchrun) runs a whole engine in each rank's
+        process, so each rank has a scheduler of its own that hears that rank
+        alone. Only rank 0 saves, so rank 0's engine loads items the others
+        encode, and ranks that must run the same steps part ways.
+      * vLLM's V1 model runner runs the connector of an engine that loads on the
+        first pipeline stage, and a stage that is not the last returns its hidden
+        states without the connector's output: no copy is ever reported, so no
+        entry becomes ready and the blocks of every copy stay held. (The V2
+        runner passes the first stage's output on; an encode-only engine runs
+        the connector on every stage, its reports aside, see `report_channel`.)
+    """
+    parallel = vllm_config.parallel_config
+    world = int(getattr(parallel, "world_size", 1))
+    if getattr(parallel, "distributed_executor_backend", None) == "external_launcher" and world > 1:
+        raise ValueError(
+            f"the EC CPU tier needs one scheduler for all of an engine's ranks, but "
+            f"distributed_executor_backend='external_launcher' runs an engine in each of its "
+            f"{world} ranks' processes: their schedulers would disagree on what is cached "
+            "and the ranks would run different steps. Use the multiprocessing executor or "
+            "run without --ec-transfer-config"
+        )
+    stages = int(getattr(parallel, "pipeline_parallel_size", 1))
+    ec_config = vllm_config.ec_transfer_config
+    loads = ec_config is not None and bool(ec_config.is_ec_consumer)
+    if stages > 1 and loads and not bool(getattr(vllm_config, "use_v2_model_runner", False)):
+        raise ValueError(
+            f"the EC CPU tier does not support pipeline parallelism ({stages} stages) on "
+            "vLLM's V1 model runner: it drops the connector output of the first stage, "
+            "where the connector runs, so no save would ever be confirmed and the region "
+            "would fill with entries that never become ready. Use the V2 model runner "
+            "(VLLM_USE_V2_MODEL_RUNNER=1), pipeline_parallel_size 1, or run without "
+            "--ec-transfer-config"
         )
