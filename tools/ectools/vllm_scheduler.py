@@ -10,7 +10,9 @@ figures are given here instead.
 region whose blocks hold the identifier (and row count) of the item whose rows
 were written there; like the real worker, it saves only an output of the shape
 the scheduler sent. It checks every gather of a step: an item missing from its encoder cache,
-or holding another item's rows or another row count, is recorded in `errors`.
+or holding another item's rows or another row count, is recorded in `errors`; so is an
+item left in its encoder cache after a step that vLLM's encoder cache manager no longer
+tracks (vLLM would never tell the worker to free it).
 `run_step` is one engine step: `schedule`, the worker, `update_from_output`.
 
 `AsyncSteps` drives vLLM's `AsyncScheduler` (`real_scheduler(...,
@@ -25,7 +27,7 @@ from __future__ import annotations
 import random
 import types
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,8 +188,7 @@ class SimulatedWorker:
 
     def run(self, output: SchedulerOutput, requests: dict[str, Request]) -> ECCPUWorkerReport:
         self._runs += 1
-        for key in output.free_encoder_mm_hashes:
-            self.cache.pop(key, None)
+        self.drop_freed(output)
         meta = output.ec_connector_metadata
         report = ECCPUWorkerReport(group_size=1)
         if isinstance(meta, ECCPUConnectorMetadata):
@@ -228,6 +229,18 @@ class SimulatedWorker:
         settled = min((copy.meta_step for copy in waiting), default=self._step + 1) - 1
         report.progress.append((0, self._step, settled))
         return report
+
+    def drop_freed(self, output: SchedulerOutput) -> None:
+        """What the model runner does with every step, one without tokens included,
+        before the connector loads: drop the items vLLM's encoder cache freed."""
+        for key in output.free_encoder_mm_hashes:
+            self.cache.pop(key, None)
+
+    def check_tracked(self, tracked: Collection[str], step: int) -> None:
+        """Record each item in the encoder cache that vLLM does not track (`tracked`:
+        its encoder cache manager's items): nothing would ever free it."""
+        for key in sorted(set(self.cache).difference(tracked)):
+            self.errors.append(f"after step {step}, {key} stays in the encoder cache untracked")
 
     def _due(self) -> int:
         return self._runs + self.rng.randint(0, self.max_delay)
@@ -272,6 +285,9 @@ def _execute(
     report = None
     if v2 or output.total_num_scheduled_tokens > 0:
         report = worker.run(output, requests)
+    else:
+        worker.drop_freed(output)
+    worker.check_tracked(scheduler.encoder_cache_manager.cached, scheduler.current_step)
     request_ids = list(output.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=request_ids,

@@ -428,6 +428,35 @@ def test_fm1_promised_entry_survives_a_same_request_save(make_scheduler: Schedul
     assert set(result.meta.saves["x"]).isdisjoint(result.meta.loads["y"][1])
 
 
+@pytest.mark.parametrize(
+    ("takers", "scheduled", "kept"),
+    [(["r"], [], False), (["r"], ["r"], True), (["r", "s"], ["s"], True)],
+    ids=["all-preempted", "taker-scheduled", "other-taker-scheduled"],
+)
+def test_a_load_whose_item_its_step_frees_is_withdrawn_unless_a_scheduled_request_takes_it(
+    make_scheduler: SchedulerFactory, takers: list[str], scheduled: list[str], kept: bool
+) -> None:
+    """vLLM preempted every request the load is for and evicted the item in the same
+    step: the workers would free it before the load lands, so the load is taken
+    back (its pin released, its hit not counted). A request scheduled in the step
+    that takes it (the encoder-decoder manager names the step before's items) keeps it."""
+    scheduler = make_scheduler()
+    _save_and_report(scheduler, Item(H))
+    assert scheduler.has_cache_item(H)
+    for request_id in takers:
+        scheduler.update_state_after_alloc(make_request(request_id, [Item(H)]), 0)
+    output = scheduler_output()
+    output.free_encoder_mm_hashes = [H]
+    output.num_scheduled_tokens = dict.fromkeys(scheduled, 9)
+    meta = scheduler.build_connector_meta(output)
+    assert (H in meta.loads) is kept and (H in meta.runs) is kept
+    entry = scheduler.allocator.get(H)
+    assert entry is not None and entry.ready and entry.pins == int(kept)
+    assert scheduler.counters.hits == scheduler.counters.loads_dispatched == int(kept)
+    scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
+    assert entry.pins == 0 and not scheduler.flights
+
+
 def test_fm1_unscheduled_promise_is_released_at_step_end(make_scheduler: SchedulerFactory) -> None:
     scheduler = make_scheduler(blocks=8)
     _save_and_report(scheduler, Item("y"))

@@ -9,9 +9,12 @@ checks that every item a step gathers holds that item's rows.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -127,6 +130,100 @@ def test_a_load_for_a_request_preempted_in_the_same_step_is_not_served_to_a_reus
     _drain(scheduler, worker)
     assert worker.errors == []
     assert third.scheduled_encoder_inputs == {"B": [0, 1]}, "B's X is encoded"
+
+
+def _preempting_traffic(
+    tiny_model_dir: str, tmp_path: Path, *, kv_blocks: int, async_scheduling: bool = False
+) -> tuple[Scheduler, SimulatedWorker, Callable[[], SchedulerOutput | None], Callable[[], None]]:
+    """Priority scheduling: A (lowest priority) runs a long text prefix before items P
+    and X; then C, B (item Y, 12 rows) and W (X and Z, both saved and then freed in
+    vLLM's encoder cache of 16 rows) arrive. Returns the scheduler, the worker, what
+    runs one engine step and what runs the engine until it idles."""
+    scheduler = real_scheduler(
+        tiny_model_dir,
+        tmp_path,
+        encoder_budget=16,
+        encoder_cache=16,
+        kv_blocks=kv_blocks,
+        max_batched_tokens=64,
+        policy="priority",
+        long_prefill=16,
+        async_scheduling=async_scheduling,
+    )
+    worker = SimulatedWorker()
+    steps = AsyncSteps(scheduler, worker)
+
+    def step() -> SchedulerOutput | None:
+        return steps.step() if async_scheduling else run_step(scheduler, worker)
+
+    def drain() -> None:
+        if async_scheduling:
+            _async_drain(steps)
+        else:
+            _drain(scheduler, worker)
+
+    scheduler.add_request(mm_request("A", [("P", 8), ("X", 8)], text=80, gap=0, priority=4))
+    step()
+    scheduler.add_request(mm_request("C", [], text=60))
+    scheduler.add_request(mm_request("B", [("Y", 12)], text=16, gap=0))
+    scheduler.add_request(mm_request("W", [("X", 8), ("Z", 8)], text=0, gap=0, max_tokens=1))
+    return scheduler, worker, step, drain
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "kv_blocks"), [(False, 37), (True, 42)], ids=["sync", "async"]
+)
+def test_a_load_for_a_request_preempted_in_the_same_step_is_not_left_untracked(
+    tiny_model_dir: str, tmp_path: Path, async_scheduling: bool, kv_blocks: int
+) -> None:
+    """One step: A's chunk reaches P and X; P's allocation evicts W's X from vLLM's
+    encoder cache, so X is looked up and its load dispatched. C then lacks KV blocks
+    and preempts A, which drops vLLM's references to P and X, and B's item Y evicts
+    both: the step tells the worker to free X, which it does before it loads. The
+    load must not land: nothing would free it (A is aborted here and X never comes
+    back), one encoder output of device memory leaked per occurrence."""
+    scheduler, worker, step, drain = _preempting_traffic(
+        tiny_model_dir, tmp_path, kv_blocks=kv_blocks, async_scheduling=async_scheduling
+    )
+    half = scheduler_half(scheduler)
+    with mock.patch.object(half, "_dispatch_load", wraps=half._dispatch_load) as dispatch:
+        for _ in range(4):
+            output = step()
+            if output is not None and output.preempted_req_ids:
+                break
+    assert output is not None and output.preempted_req_ids == {"A"}
+    dispatch.assert_called_once_with("X")  # A's X was a hit before A was preempted
+    assert output.scheduled_encoder_inputs == {"B": [0]}
+    assert "X" in output.free_encoder_mm_hashes
+    assert "X" not in scheduler.encoder_cache_manager.cached
+    scheduler.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    drain()
+    assert worker.errors == []
+    assert "X" not in worker.cache
+    assert [e.key for e in half.allocator if not e.evictable] == []
+    assert not half.flights and not half._promised
+    assert half.counters.hits == half.counters.loads_dispatched == 0
+
+
+def test_a_load_of_an_item_evicted_earlier_in_the_same_step_is_kept(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """As above with KV blocks to spare: A is not preempted. X, still in vLLM's
+    encoder cache before the step, is evicted by A's P and then loaded for A in the
+    same step; vLLM does not name it among the step's freed items, and A gathers
+    the loaded rows."""
+    scheduler, worker, step, drain = _preempting_traffic(tiny_model_dir, tmp_path, kv_blocks=64)
+    step()
+    assert "X" in scheduler.encoder_cache_manager.cached
+    third = step()
+    assert third is not None and not third.preempted_req_ids
+    meta = third.ec_connector_metadata
+    assert isinstance(meta, ECCPUConnectorMetadata) and "X" in meta.loads
+    assert third.scheduled_encoder_inputs["A"] == [0]
+    assert "X" not in third.free_encoder_mm_hashes
+    drain()
+    assert worker.errors == []
+    assert scheduler_half(scheduler).counters.hits == 1
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
@@ -246,6 +343,7 @@ def test_vllms_encoder_cache_reset_forgets_the_region_too(
     half = scheduler_half(scheduler)
     assert half.allocator.get("X") is not None
     scheduler.reset_encoder_cache()
+    worker.cache.clear()  # EngineCore.reset_encoder_cache resets the workers' caches too
     assert half.allocator.get("X") is None
     scheduler.add_request(mm_request("after", [("X", 8)]))
     first = run_step(scheduler, worker)

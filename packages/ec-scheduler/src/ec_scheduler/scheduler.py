@@ -144,6 +144,8 @@ class ECCPUScheduler:
         self._pending_shapes: dict[str, tuple[int, int]] = {}
         self._pending_loads: dict[str, tuple[int, list[int], tuple[int, int]]] = {}
         self._pending_runs: dict[str, tuple[tuple[int, int], ...]] = {}
+        self._load_takers: dict[str, list[str]] = {}
+        """The requests each of this step's loads is for."""
         self._promised: set[str] = set()
         self._stale: set[str] = set()
         self._step = 0
@@ -350,7 +352,9 @@ class ECCPUScheduler:
             feature = request.mm_features[index]
             key = feature.identifier
             if key in self._pending_loads:
-                return  # the same item of another request in this step: one load serves both
+                # the same item of another request in this step: one load serves both
+                self._load_takers.setdefault(key, []).append(request.request_id)
+                return
             if self.is_consumer:
                 counters = self.counters
                 counters.lookups += 1
@@ -358,6 +362,7 @@ class ECCPUScheduler:
                 if key in self._promised:
                     counters.hits += 1
                     self._dispatch_load(key)
+                    self._load_takers[key] = [request.request_id]
                     return
             if self.is_producer and key not in self.allocator:
                 self._allocate_save(feature)
@@ -468,6 +473,9 @@ class ECCPUScheduler:
         for key in self._promised:
             self._release_pin(key)  # vLLM looked it up but did not schedule it
         self._promised.clear()
+        if self._pending_loads and scheduler_output.free_encoder_mm_hashes:
+            self._withdraw_dropped_loads(scheduler_output)
+        self._load_takers = {}
         meta = ECCPUConnectorMetadata(
             saves=self._pending_saves,
             loads=self._pending_loads,
@@ -482,6 +490,38 @@ class ECCPUScheduler:
         self._pending_runs = {}
         self.settlement.on_worker_step(self._worker_step)
         return meta
+
+    def _withdraw_dropped_loads(self, scheduler_output: SchedulerOutput) -> None:
+        """Take back the loads of this step whose item vLLM freed in the same step
+        and that no request scheduled in the step is for, as if vLLM had never
+        scheduled them.
+
+        Priority scheduling can preempt a request after its items were allocated
+        (its load dispatched), and a later allocation of the step can then evict
+        the item from vLLM's encoder cache. The workers drop the step's freed items
+        before they load: landed, the load would sit in their encoder cache
+        untracked (device memory vLLM never frees, unless a later request brings
+        the same item back). A load that a scheduled request takes is kept even if
+        its item is named (vLLM's encoder cache manager names only items it no
+        longer holds at the step's end; the encoder-decoder one names the items of
+        the step before, which a request of this step may load again).
+        """
+        scheduled = scheduler_output.num_scheduled_tokens
+        for key in scheduler_output.free_encoder_mm_hashes:
+            takers = self._load_takers.get(key)
+            if takers is None or key not in self._pending_loads:
+                continue
+            if any(request_id in scheduled for request_id in takers):
+                continue
+            _, _, shape = self._pending_loads.pop(key)
+            self._pending_runs.pop(key, None)
+            self._release_pin(key)
+            counters = self.counters
+            counters.lookups -= 1
+            counters.hits -= 1
+            counters.loads_dispatched -= 1
+            counters.load_rows -= shape[0]
+            counters.load_bytes -= shape[0] * shape[1] * self._itemsize
 
     def _reaches_workers(self, scheduler_output: SchedulerOutput) -> bool:
         return (
@@ -653,6 +693,7 @@ class ECCPUScheduler:
         self._pending_shapes = {}
         self._pending_loads = {}
         self._pending_runs = {}
+        self._load_takers = {}
         self._promised.clear()
         self._stale.clear()
         self.settlement.clear()
