@@ -163,19 +163,28 @@ class ECCPUScheduler:
         self._side_reports: ReportReceiver | None = None
         serves = settings.peers is not None and settings.peers.listen is not None
         if settings.peers is not None:
-            if report_channel.needed(vllm_config, listening=serves):
-                self._side_reports = ReportReceiver(
-                    report_channel.endpoint(self.layout.path), settings.peers.secret.encode()
+            try:
+                if report_channel.needed(vllm_config, listening=serves):
+                    self._side_reports = ReportReceiver(
+                        report_channel.endpoint(self.layout.path), settings.peers.secret.encode()
+                    )
+                local = LocalEntries(
+                    self.allocator,
+                    self.lock,
+                    self._release_pin,
+                    self._stale.__contains__,
+                    lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
+                    refresh=self._apply_side_reports,
                 )
-            local = LocalEntries(
-                self.allocator,
-                self.lock,
-                self._release_pin,
-                self._stale.__contains__,
-                lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
-                refresh=self._apply_side_reports,
-            )
-            self.remote = load_remote_source(vllm_config, self.layout, local)
+                self.remote = load_remote_source(vllm_config, self.layout, local)
+            except BaseException:
+                # A failed construction (the peer port in use, NIXL missing or failing)
+                # releases what it opened: left to the garbage collector, the side
+                # channel's ZMQ context may go before its socket, and its term() then
+                # waits for that socket for ever (the process hangs); until then the
+                # channel's address stays bound, and building again fails.
+                self._close_files()
+                raise
 
         if not serves and report_channel.drops_reports(vllm_config):
             logger.warning(
@@ -682,12 +691,17 @@ class ECCPUScheduler:
         with self.lock:
             self._clear_after_shutdown()
 
-    def _clear_after_shutdown(self) -> None:
+    def _close_files(self) -> None:
+        """Close the side channel and the reservation's file (idempotent)."""
         if self._side_reports is not None:
             self._side_reports.close()
+            self._side_reports = None
         if self._reservation is not None:
             self._reservation.close()
             self._reservation = None
+
+    def _clear_after_shutdown(self) -> None:
+        self._close_files()
         self.is_producer = self.is_consumer = False
         self._pending_saves = {}
         self._pending_shapes = {}
