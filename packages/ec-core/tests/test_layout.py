@@ -30,6 +30,34 @@ def test_layout_from_config(tiny_model_dir: str, tmp_path: Path) -> None:
     assert layout.blocks_for(0, WIDTH, 4) == 0
 
 
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_a_data_parallel_engine_listens_on_the_port_plus_its_index(
+    tiny_model_dir: str, tmp_path: Path, moe: bool
+) -> None:
+    """The index is vLLM's `data_parallel_index`: in each engine of a dense model vLLM
+    resets `data_parallel_rank` to 0 (and the size to 1), so the rank would put every
+    engine on one port again."""
+    extra = {
+        "ec_cpu_bytes": 10_000,
+        "ec_cpu_dir": str(tmp_path),
+        "ec_peer_listen": "127.0.0.1:65533",
+        "ec_peer_secret": "a-test-secret-0123",
+    }
+    config = make_vllm_config(tiny_model_dir, role="ec_producer", extra=extra)
+    parallel = config.parallel_config
+    parallel.data_parallel_index = 2
+    parallel.data_parallel_rank, parallel.data_parallel_size = (2, 3) if moe else (0, 1)
+    layout = region_layout(config)
+    assert layout.engine_id.endswith("_dp2")
+    assert layout.settings.peers is not None
+    assert str(layout.settings.peers.listen) == "127.0.0.1:65535"
+    parallel.data_parallel_index = 3
+    if moe:
+        parallel.data_parallel_rank, parallel.data_parallel_size = 3, 4
+    with pytest.raises(ValueError, match=r"\['ec_peer_listen'\].*65536"):
+        region_layout(config)
+
+
 def test_bfloat16_halves_the_block(tiny_model_dir: str, tmp_path: Path) -> None:
     config = make_vllm_config(
         tiny_model_dir,

@@ -58,11 +58,6 @@ def test_the_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
         ({"ec_peers": "h:1", "ec_peer_secret": SECRET}, "ec_both", "a list of"),
         ({"ec_peers": ["h:1", "h:1"], "ec_peer_secret": SECRET}, "ec_both", "listed twice"),
         (
-            {"ec_peers": ["h:1"], "ec_peer_listen": "h:1", "ec_peer_secret": SECRET},
-            "ec_both",
-            "own ec_peer_listen",
-        ),
-        (
             {"ec_peers": ["h:1"], "ec_peer_secret": SECRET, "ec_peer_lease_s": 5},
             "ec_both",
             "must exceed ec_peer_fetch_timeout_s",
@@ -174,3 +169,62 @@ def test_an_empty_secret_in_the_environment_is_no_secret(monkeypatch: pytest.Mon
     assert settings.peers is None
     with pytest.raises(ValueError, match=r"\['ec_peer_secret'\] = <hidden>.*shared secret"):
         parse_peer_settings({"ec_peers": ["h:1"]}, "ec_consumer")
+
+
+def test_each_data_parallel_engine_listens_on_the_port_plus_its_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every engine of a data-parallel deployment gets the same config; all of them
+    bound the same port, so the second engine's start failed. Engine k listens on
+    PORT + k (vLLM's NIXL side channel does the same)."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    extra = {"ec_peer_listen": "10.0.0.5:5710", "ec_peer_secret": SECRET}
+    for index in (0, 1, 7):
+        peers = parse_peer_settings(extra, "ec_producer", dp_index=index)
+        assert peers is not None and peers.listen == PeerAddress("10.0.0.5", 5710 + index)
+    six = parse_peer_settings({**extra, "ec_peer_listen": "[::1]:6000"}, "ec_both", dp_index=2)
+    assert six is not None and str(six.listen) == "[::1]:6002"
+    settings = ECCPUSettings.from_extra_config(
+        {"ec_cpu_bytes": 4096, **extra}, block_size_bytes=512, role="ec_both", dp_index=3
+    )
+    assert settings.peers is not None and settings.peers.listen == PeerAddress("10.0.0.5", 5713)
+    last = parse_peer_settings({**extra, "ec_peer_listen": "h:65534"}, "ec_both", dp_index=1)
+    assert last is not None and last.listen == PeerAddress("h", 65535)
+
+
+def test_a_data_parallel_port_past_65535_is_refused_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    extra = {"ec_peer_listen": "h:65534", "ec_peer_secret": SECRET}
+    with pytest.raises(ValueError, match=r"\['ec_peer_listen'\] = 'h:65534' is invalid") as info:
+        ECCPUSettings.from_extra_config(
+            {"ec_cpu_bytes": 4096, **extra}, block_size_bytes=512, role="ec_both", dp_index=2
+        )
+    assert "65536" in str(info.value) and "data-parallel engine 2" in str(info.value)
+    # A consumer-only engine is told it cannot serve at all, whatever its index.
+    with pytest.raises(ValueError, match="only ec_producer or ec_both serve"):
+        parse_peer_settings(extra, "ec_consumer", dp_index=2)
+
+
+def test_an_engine_does_not_ask_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `ec_both` engines of a data-parallel deployment share one config, so a list
+    naming all of them names each one itself too: it was refused ("lists this
+    engine's own ec_peer_listen"), comparing the list with the configured port, which
+    is engine 0's. Each engine leaves out its own address and asks the others."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    extra = {
+        "ec_peer_listen": "10.0.0.5:5710",
+        "ec_peers": ["10.0.0.5:5710", "10.0.0.5:5711", "10.0.0.6:5710"],
+        "ec_peer_secret": SECRET,
+    }
+    asked = {}
+    for index in (0, 1, 2):
+        peers = parse_peer_settings(extra, "ec_both", dp_index=index)
+        assert peers is not None
+        asked[index] = [str(p) for p in peers.peers]
+    assert asked == {
+        0: ["10.0.0.5:5711", "10.0.0.6:5710"],
+        1: ["10.0.0.5:5710", "10.0.0.6:5710"],
+        2: ["10.0.0.5:5710", "10.0.0.5:5711", "10.0.0.6:5710"],
+    }

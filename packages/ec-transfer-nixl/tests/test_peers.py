@@ -111,7 +111,15 @@ class Engine:
 def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(role: str, *, blocks: int = 256, dtype: str = "float32", **peer: Any) -> Engine:
+    def make(
+        role: str,
+        *,
+        blocks: int = 256,
+        dtype: str = "float32",
+        parallel: dict[str, int] | None = None,
+        **peer: Any,
+    ) -> Engine:
+        """`parallel`: fields of `parallel_config` to set (what vLLM sets in each engine)."""
         region = tmp_path / f"region{len(made)}"
         region.mkdir()
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
@@ -120,6 +128,8 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         config = make_vllm_config(
             tiny_model_dir, role=role, extra=extra, widths={"image": WIDTH}, dtype=dtype
         )
+        for name, value in (parallel or {}).items():
+            setattr(config.parallel_config, name, value)
         engine = Engine(ECCPUScheduler(config), CpuECCPUWorker(config, rank_info=RankInfo(0, True)))
         made.append(engine)
         return engine
@@ -210,6 +220,97 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     consumer.wait_available(request)
     cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
     assert torch.equal(cache["img-h"], payload("img-h", 6))
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1."""
+    for _ in range(100):
+        first = _free_port()
+        with contextlib.ExitStack() as probes:
+            try:
+                for port in range(first, first + count):
+                    probe = probes.enter_context(socket.socket())
+                    probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _dp_engine(index: int, *, moe: bool) -> dict[str, int]:
+    """The parallel fields vLLM sets in data-parallel engine `index` of 2: a MoE model's
+    engines keep their rank, a dense model's each run as DP=1 (rank 0, size 1) and
+    only `data_parallel_index` tells them apart."""
+    if moe:
+        return {"data_parallel_index": index, "data_parallel_rank": index, "data_parallel_size": 2}
+    return {"data_parallel_index": index, "data_parallel_rank": 0, "data_parallel_size": 1}
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_the_engines_of_a_data_parallel_producer_each_listen_on_their_own_port(
+    make_engine: Callable[..., Engine], moe: bool
+) -> None:
+    """Every engine of a data-parallel deployment gets the same ec_peer_listen and
+    bound it: the second engine's start failed (address already in use), so a
+    producer could not run with --data-parallel-size > 1. Engine k listens on
+    PORT + k, and its handles name that address."""
+    first = _free_ports(2)
+    listen = f"127.0.0.1:{first}"
+    producers = [
+        make_engine("ec_producer", ec_peer_listen=listen, parallel=_dp_engine(k, moe=moe))
+        for k in range(2)
+    ]
+    addresses = [f"127.0.0.1:{first + k}" for k in range(2)]
+    consumer = make_engine("ec_consumer", ec_peers=addresses, **PATIENT)
+    items = [Item("img-dp0", 4), Item("img-dp1", 6)]
+    for producer, item in zip(producers, items, strict=True):
+        producer.save(item)
+    request = make_request("r-dp", items)
+    consumer.wait_available(request)
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+    for item in items:
+        assert torch.equal(cache[item.identifier], payload(item.identifier, item.embeds))
+    assert _fallbacks(consumer) == {}
+    # Each one served its own item, from its own port.
+    _wait_for(lambda: all(p.scheduler.stat_totals()["peer_bytes_served"] > 0 for p in producers))
+    # A handle names the address its engine listens on: a consumer without ec_peers
+    # follows it there.
+    _, params = producers[1].scheduler.request_finished(make_request("done-dp", items[1:]))
+    assert params is not None and params["ec_cpu_tier"]["peer"] == addresses[1]
+    by_handle = make_engine("ec_consumer", **PATIENT)
+    again = make_request("r-dp-handle", items[1:])
+    again.ec_transfer_params = params
+    by_handle.wait_available(again)
+    cache = by_handle.run_step(StepDriver(by_handle.scheduler).step([again]).meta)
+    assert torch.equal(cache["img-dp1"], payload("img-dp1", 6))
+    assert _fallbacks(by_handle) == {}
+
+
+def test_the_ec_both_engines_of_a_data_parallel_deployment_share_one_peer_list(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """`ec_both` engines of one data-parallel deployment share one config: an
+    `ec_peers` naming all of them names each engine itself too. It was refused
+    ("lists this engine's own ec_peer_listen"); each engine now asks the others."""
+    first = _free_ports(2)
+    shared = {
+        "ec_peer_listen": f"127.0.0.1:{first}",
+        "ec_peers": [f"127.0.0.1:{first + k}" for k in range(2)],
+        **PATIENT,
+    }
+    engines = [
+        make_engine("ec_both", parallel=_dp_engine(k, moe=False), **shared) for k in range(2)
+    ]
+    for k, engine in enumerate(engines):
+        source = engine.scheduler.remote
+        assert source is not None
+        assert [str(p) for p in source._settings.peers] == [f"127.0.0.1:{first + 1 - k}"]  # type: ignore[attr-defined]
+    engines[0].save(Item("img-sib", 5))
+    request = make_request("r-sib", [Item("img-sib", 5)])
+    engines[1].wait_available(request)
+    cache = engines[1].run_step(StepDriver(engines[1].scheduler).step([request]).meta)
+    assert torch.equal(cache["img-sib"], payload("img-sib", 5))
+    assert _fallbacks(engines[1]) == {}
 
 
 def _free_port6() -> int:

@@ -75,12 +75,15 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
         raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")
     embed_width = int(model_config.get_inputs_embeds_size())
     block_size_bytes = embed_width * dtype.itemsize
+    # Not data_parallel_rank: vLLM resets it to 0 in each engine of a dense model
+    # (each runs as DP=1); data_parallel_index keeps the engine's rank.
+    dp_index = vllm_config.parallel_config.data_parallel_index
     settings = ECCPUSettings.from_extra_config(
         ec_config.ec_connector_extra_config,
         block_size_bytes=block_size_bytes,
         role=str(ec_config.ec_role) if ec_config.ec_role is not None else None,
+        dp_index=dp_index,
     )
-    dp_index = vllm_config.parallel_config.data_parallel_index
     return RegionLayout(
         engine_id=f"{vllm_config.instance_id}_dp{dp_index}",
         owner=str(ec_config.engine_id or ""),

@@ -92,7 +92,9 @@ class PeerSettings:
     """How this engine serves its entries to other engines and fetches theirs.
 
     Guarantees: `listen` is set only for a producer role and `peers` only for a
-    consumer role; a secret of at least MIN_SECRET_CHARS characters that
+    consumer role; `listen` is the address this engine itself listens on (the
+    configured port plus its data-parallel index, at most 65535) and `peers`
+    never contains it; a secret of at least MIN_SECRET_CHARS characters that
     encodes as UTF-8 is present (peers that do not share it get nothing); the
     timeouts are finite and positive, and a producer's lease outlasts a
     consumer's fetch deadline by more than LEASE_MARGIN_S, so an entry is never
@@ -112,13 +114,23 @@ class PeerSettings:
     never longer than `lease_s`."""
 
 
-def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSettings | None:
+def parse_peer_settings(
+    extra: Mapping[str, object], role: str | None, *, dp_index: int = 0
+) -> PeerSettings | None:
     """The cross-engine settings, or None when no peer key is set (the layer is off).
 
+    `dp_index` is this engine's data-parallel index (vLLM's `data_parallel_index`).
+    Every engine of a data-parallel deployment gets the same config, so engine k
+    listens on the port of `ec_peer_listen` plus k (as vLLM's NIXL KV connector
+    offsets its side channel), and its handles name that address. An engine never
+    asks itself: its own address is left out of `peers`, so one `ec_peers` list
+    may name every engine of such a deployment.
+
     Raises ValueError naming the key (never showing a secret) for anything
-    malformed, for a listen address on a consumer-only engine, for peers on a
-    producer-only engine, for peer keys without a secret, and for a secret
-    (from the config or the environment) that does not encode as UTF-8.
+    malformed, for a listen address on a consumer-only engine or whose port plus
+    `dp_index` passes 65535, for peers on a producer-only engine, for peer keys
+    without a secret, and for a secret (from the config or the environment) that
+    does not encode as UTF-8.
     """
     # An empty variable is no secret (a template's default, an unset variable passed
     # through): alone it must not turn the layer on, and then refuse the engine.
@@ -130,13 +142,23 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
         return None
     listen = None
     if KEY_LISTEN in extra:
-        listen = PeerAddress.parse(KEY_LISTEN, extra[KEY_LISTEN])
+        configured = PeerAddress.parse(KEY_LISTEN, extra[KEY_LISTEN])
         if role is not None and role not in PRODUCER_ROLES:
             raise _invalid(
                 KEY_LISTEN,
                 extra[KEY_LISTEN],
                 f"only ec_producer or ec_both serve; this engine is {role}",
             )
+        port = configured.port + dp_index
+        if port > 65535:
+            raise _invalid(
+                KEY_LISTEN,
+                extra[KEY_LISTEN],
+                f"data-parallel engine {dp_index} would listen on port {configured.port} + "
+                f"{dp_index} = {port}, past 65535 (with --data-parallel-size N, engine k "
+                "listens on PORT + k: choose a PORT of at most 65536 - N)",
+            )
+        listen = PeerAddress(configured.host, port)
     peers: tuple[PeerAddress, ...] = ()
     if KEY_PEERS in extra:
         raw = extra[KEY_PEERS]
@@ -145,8 +167,9 @@ def parse_peer_settings(extra: Mapping[str, object], role: str | None) -> PeerSe
         peers = tuple(PeerAddress.parse(KEY_PEERS, item) for item in raw)
         if len(set(peers)) != len(peers):
             raise _invalid(KEY_PEERS, raw, "a peer is listed twice")
-        if listen is not None and listen in peers:
-            raise _invalid(KEY_PEERS, raw, f"lists this engine's own {KEY_LISTEN}")
+        # Not refused: with data parallelism every engine gets the same list, and
+        # engines that share their entries list all of them, each one itself too.
+        peers = tuple(peer for peer in peers if peer != listen)
         if role is not None and role not in CONSUMER_ROLES:
             raise _invalid(
                 KEY_PEERS, raw, f"only ec_consumer or ec_both fetch; this engine is {role}"

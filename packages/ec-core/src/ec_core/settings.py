@@ -89,12 +89,15 @@ class ECCPUSettings:
         *,
         block_size_bytes: int,
         role: str | None = None,
+        dp_index: int = 0,
     ) -> ECCPUSettings:
         """Parse and validate `extra`; raise ValueError naming key and value.
 
         `block_size_bytes` is the size of one region block (one embedding
         row); a region smaller than one block is refused here. `role` (the
-        `ec_role`) lets the cross-engine keys be checked against it.
+        `ec_role`) lets the cross-engine keys be checked against it, and
+        `dp_index` (the engine's data-parallel index) gives its listen port
+        (`ec_core.peer_settings.parse_peer_settings`).
         """
         if block_size_bytes <= 0:
             raise ValueError(f"block size must be positive, got {block_size_bytes}")
@@ -140,7 +143,7 @@ class ECCPUSettings:
                 "every copy would be reclaimed before its report could arrive",
             )
         policy = _parse_choice(KEY_POLICY, extra.get(KEY_POLICY, DEFAULT_POLICY), POLICY_NAMES)
-        peers = parse_peer_settings(extra, role)
+        peers = parse_peer_settings(extra, role, dp_index=dp_index)
         return cls(
             cpu_bytes=cpu_bytes,
             region_dir=region_dir,
