@@ -26,7 +26,11 @@ def detect_rank_info() -> RankInfo:
     """Read the rank from vLLM's initialised process groups.
 
     Only one rank writes saves (tensor-parallel rank 0 of prefill-context
-    rank 0: every such rank holds the same encoder output); every rank loads.
+    rank 0 of the first pipeline stage: every such rank holds the same encoder
+    output); every rank loads. An encode-only engine on vLLM's V1 runner runs the
+    encoder and the connector on every pipeline stage: without the stage in the
+    rule, each stage's rank 0 would write the same blocks, and one stage's failed
+    save would free blocks another stage was still writing.
     """
     from vllm.distributed import parallel_state as ps
 
@@ -37,6 +41,8 @@ def detect_rank_info() -> RankInfo:
         pcp = ps.get_pcp_group() if hasattr(ps, "get_pcp_group") else None
         pcp_rank = pcp.rank_in_group if pcp is not None else 0
         pcp_size = pcp.world_size if pcp is not None else 1
+        pp = ps.get_pp_group() if hasattr(ps, "get_pp_group") else None
+        pp_rank = pp.rank_in_group if pp is not None else 0
     except (AssertionError, AttributeError, RuntimeError) as exc:
         logger.warning(
             "EC CPU tier: vLLM's process groups are not initialised (%s); assuming a "
@@ -48,6 +54,6 @@ def detect_rank_info() -> RankInfo:
     # parallel ranks each report every step.
     return RankInfo(
         rank=int(rank),
-        is_save_rank=tp_rank == 0 and pcp_rank == 0,
+        is_save_rank=tp_rank == 0 and pcp_rank == 0 and pp_rank == 0,
         group_size=int(tp_size) * int(pcp_size),
     )
