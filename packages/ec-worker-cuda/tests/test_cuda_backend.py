@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import runpy
 import subprocess
 from collections.abc import Iterator
@@ -58,18 +59,39 @@ def test_real_runtime_refuses_clearly_without_cuda(tiny_model_dir: str, tmp_path
 
 
 class _Cudart:
+    """torch.cuda.cudart() as torch binds it (no cudaGetLastError), over one runtime
+    instance whose per-thread last error a failed call sets and only
+    cudaGetLastError resets (CUDA Runtime API, "Error Handling"); `library()` is
+    that instance's libcudart as ctypes sees it."""
+
     def __init__(self, register_rc: int = 0, unregister_rc: int = 0) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.register_rc = register_rc
         self.unregister_rc = unregister_rc
+        self.last_error = 0
+
+    def _returns(self, code: int) -> int:
+        if code:
+            self.last_error = code
+        return code
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         self.calls.append(("register", ptr, size, flags))
-        return self.register_rc
+        return self._returns(self.register_rc)
 
     def cudaHostUnregister(self, ptr: int) -> int:
         self.calls.append(("unregister", ptr))
-        return self.unregister_rc
+        return self._returns(self.unregister_rc)
+
+    def library(self) -> Any:
+        cudart = self
+
+        class Library:
+            def cudaGetLastError(self) -> int:
+                code, cudart.last_error = cudart.last_error, 0
+                return code
+
+        return Library()
 
     def cudaGetErrorString(self, code: int) -> str:
         return "cudaErrorHostMemoryAlreadyRegistered" if code == 712 else "error"
@@ -98,6 +120,38 @@ def test_host_registration_uses_cudart_and_reports_error_codes(
         match=r"cudaHostRegister returned CUDA error 712 \(cudaErrorHostMemoryAlreadyRegistered\)",
     ):
         runtime.register_host(0x1000, 8192)
+
+
+def test_a_failed_registration_leaves_no_cuda_error_pending(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """The worker survives a refused registration (a region larger than the driver
+    pins, memory already registered) and copies from pageable memory; the error
+    must not stay pending either: torch checks each kernel launch with
+    cudaGetLastError, so the model's next kernel would raise it."""
+    cudart = _Cudart(register_rc=2, unregister_rc=712)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(
+        cuda_runtime, "_loaded_libraries", lambda prefix: [cudart.library()], raising=False
+    )
+    config = make_vllm_config(
+        tiny_model_dir, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    worker = CudaECCPUWorker(config, runtime=_bare_runtime(), rank_info=RankInfo(0, True))
+    try:
+        assert not worker.is_pinned and [call[0] for call in cudart.calls] == ["register"]
+        assert cudart.last_error == 0, "the refused cudaHostRegister is still pending"
+    finally:
+        worker.shutdown()
+    with pytest.raises(CudaRuntimeError, match="cudaHostUnregister returned CUDA error 712"):
+        _bare_runtime().unregister_host(0x1000)
+    assert cudart.last_error == 0
+
+
+def test_loaded_libraries_finds_what_the_process_loaded_and_loads_nothing() -> None:
+    (libc,) = cuda_runtime._loaded_libraries("libc.so")
+    assert libc.getpid() == os.getpid()
+    assert cuda_runtime._loaded_libraries("libno-such-library") == []
 
 
 def test_batch_copy_passes_int64_pointer_tensors_and_access_order() -> None:

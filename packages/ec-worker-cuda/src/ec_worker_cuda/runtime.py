@@ -2,7 +2,8 @@
 
 The narrow adapter behind `StreamedECCPUWorker` (ec-core's `DeviceRuntime`):
 streams and events are torch's; host registration goes through torch's CUDA
-runtime bindings (`cudaHostRegister`/`cudaHostUnregister`); a batch of copies
+runtime bindings (`cudaHostRegister`/`cudaHostUnregister`; the error a failed
+call leaves pending is read off the libcudart torch loaded); a batch of copies
 is one call of vLLM's `swap_blocks_batch` (one `cuMemcpyBatchAsync` on CUDA >=
 12.8, a loop of `cudaMemcpyAsync` inside the op on older CUDA) when the
 installed vLLM has it, else one `copy_(non_blocking=True)` per block run.
@@ -13,6 +14,8 @@ Nothing here runs at import time; constructing the runtime needs CUDA.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +51,44 @@ def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
+def _loaded_libraries(prefix: str) -> list[ctypes.CDLL]:
+    """Every shared library this process has already loaded whose file name starts
+    with `prefix` (never loads one: `RTLD_NOLOAD`)."""
+    paths: dict[str, None] = {}
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                path = fields[5].strip().removesuffix(" (deleted)")
+                if os.path.basename(path).startswith(prefix):
+                    paths[path] = None
+    libraries = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            libraries.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD))
+    return libraries
+
+
+def _clear_last_error() -> None:
+    """Read (and so reset) the error a failed runtime call left pending on this thread.
+
+    The CUDA runtime keeps the error of a failed call as the thread's last
+    error until `cudaGetLastError` reads it, and torch checks every kernel
+    launch with `cudaGetLastError`: left pending, a registration failure the
+    worker survives would fail the model's next kernel. torch's `cudart()`
+    bindings have no `cudaGetLastError`; the runtime torch loaded (libcudart,
+    by file name; one instance per library file) does.
+    """
+    for library in _loaded_libraries("libcudart"):
+        with contextlib.suppress(AttributeError):
+            library.cudaGetLastError()
+
+
 def _check(call: str, result: Any) -> None:
     code = int(getattr(result, "value", result))
     if code == 0:
         return
+    _clear_last_error()
     name = ""
     with contextlib.suppress(Exception):
         name = str(_cudart().cudaGetErrorString(result))
