@@ -30,6 +30,7 @@ released under a lease the peer did not grant this engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -1168,3 +1169,30 @@ def test_a_shutdown_that_fails_part_way_still_closes_every_socket() -> None:
         fetcher._shutdown()
     assert all(sock.closed for sock in machine.sockets.values())
     assert closed_agent == [True]
+
+
+_HANDLE = {"peer": str(PEERS[1]), "fingerprint": "fp"}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"ec_cpu_tier": json.dumps(_HANDLE)},
+        {"ec_cpu_tier": [str(PEERS[1])]},
+        json.dumps({"ec_cpu_tier": _HANDLE}),  # e.g. through vllm_xargs, which takes text
+    ],
+)
+def test_a_handle_that_is_not_an_object_is_ignored_with_a_warning(
+    ec_log: pytest.LogCaptureFixture, params: Any
+) -> None:
+    """A proxy that forwards the handle mangled (e.g. as JSON text, encoded twice): its
+    items are encoded here, as for any malformed handle, and the log says so. It was
+    ignored without a word, so a deployment whose every handle was thrown away looked
+    like one whose encoder instance held nothing."""
+    fetcher, _, local = _fetcher_over(None)
+    source = _source_over(fetcher, local)
+    source._settings = dataclasses.replace(source._settings, peers=())
+    request = _request("r1")
+    request.ec_transfer_params = params
+    assert not source.wants(request, [Wanted("k0", 1, COLS)]), "nothing to fetch it from"
+    assert "malformed ec_transfer_params" in ec_log.text

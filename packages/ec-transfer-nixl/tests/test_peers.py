@@ -870,3 +870,26 @@ def test_a_handle_issued_before_a_weight_update_is_not_served_after_it(
     assert StepDriver(consumer.scheduler).step([request]).looked_up == {"img-old": False}
     _wait_unpinned(producer)
     assert producer.scheduler.allocator.get("img-old") is None, "dropped once let go of"
+
+
+@pytest.mark.parametrize("status", ["FINISHED_ABORTED", "FINISHED_ERROR"])
+def test_a_request_aborted_or_failed_on_the_producer_pins_nothing_for_a_handle(
+    make_engine: Callable[..., Engine], status: str
+) -> None:
+    """vLLM throws away what `request_finished` returns for a request it aborts (a
+    client gone, a proxy's timeout) or fails: a handle lease granted for one could
+    never be claimed, yet pinned its entries for all of `ec_peer_handle_lease_s`.
+    Under a burst of aborts that fills the region with pinned entries, and the
+    producer's new encoder outputs find no room to be saved."""
+    from vllm.v1.request import RequestStatus
+
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_producer", blocks=16, ec_peer_listen=address, **HANDLE_LEASES)
+    items = [Item(f"img-aborted-{i}", 4) for i in range(4)]  # the whole region
+    producer.save(*items)
+    aborted = make_request("aborted", items)
+    aborted.status = getattr(RequestStatus, status)
+    _, params = producer.scheduler.request_finished(aborted)
+    assert params is None, "no handle for an output vLLM drops"
+    assert not producer.scheduler.allocator.has_held_entries(), "nothing pinned for it"
+    producer.save(Item("img-next", 4))  # room by evicting one of them

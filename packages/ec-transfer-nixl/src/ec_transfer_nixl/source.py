@@ -13,9 +13,11 @@ request this engine holds (ready, or being saved),
                      "lease": {"id": 17, "agent": "...", "spans": {key: [[addr, n], ...]},
                                "issued": 1764000000.5, "ttl": 10.0, "sig": "hex"}}}
 
-which vLLM puts on the output's `ec_transfer_params`. A consumer request that
-carries it (`SamplingParams.extra_args["ec_transfer_params"]`, or the HTTP
-request's top-level field) asks that producer too, with or without `ec_peers`.
+which vLLM puts on the output's `ec_transfer_params` (none for a request vLLM
+aborted or failed: it drops what `request_finished` returns for those). A
+consumer request that carries it (`SamplingParams.extra_args["ec_transfer_params"]`,
+or the HTTP request's top-level field) asks that producer too, with or without
+`ec_peers`.
 
 `lease` (only when some items are ready) is a pre-granted lease: those items
 are pinned from now for `ttl` seconds (`ec_peer_handle_lease_s`; off, and no
@@ -66,6 +68,9 @@ NEGATIVE_TTL_S = 5.0
 """How long an item no peer could provide is not asked for again."""
 NEGATIVE_MAX = 10_000
 NEGATIVE_CAUSES = frozenset({"missing", "shape", "incompatible"})
+DROPPED_STATUSES = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
+"""How vLLM ends the requests whose `request_finished` result it throws away (aborted:
+a client gone, a proxy's timeout; failed): no handle is made for them."""
 
 
 class NixlRemoteSource:
@@ -256,8 +261,11 @@ class NixlRemoteSource:
         if that producer's engine is incompatible with this one (not asked); None
         without a well-formed handle."""
         params = getattr(request, "ec_transfer_params", None)
-        handle = params.get(HANDLE_KEY) if isinstance(params, dict) else None
-        if not isinstance(handle, dict):
+        handle = params.get(HANDLE_KEY) if isinstance(params, dict) else params
+        if handle is None:
+            return None  # no handle in the request
+        if not isinstance(handle, dict):  # e.g. forwarded as JSON text: said, or unseen
+            self._warnings.warn("handle", "EC CPU tier: ignoring a malformed ec_transfer_params")
             return None
         try:
             peer = PeerAddress.parse("ec_transfer_params.peer", handle.get("peer"))
@@ -328,6 +336,10 @@ class NixlRemoteSource:
             self._finished.append(task)
             self._forget_finished()
         if self.advertised is None:
+            return None
+        if getattr(request.status, "name", None) in DROPPED_STATUSES:
+            # Nobody gets its handle: a lease would pin its entries, unclaimable, until
+            # it expired (a burst of aborts could pin the whole region).
             return None
         items: dict[str, list[int]] = {}
         for feature in request.mm_features:
