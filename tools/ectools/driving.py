@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
@@ -39,7 +39,7 @@ def make_request(request_id: str, items: Sequence[Item], *, text_tokens: int = 4
     for item in items:
         features.append(
             MultiModalFeatureSpec(
-                data=None,
+                data=MultiModalKwargsItem.dummy(),  # the item carries its input
                 modality=item.modality,
                 identifier=item.identifier,
                 mm_position=PlaceholderRange(offset=offset, length=item.embeds),

@@ -34,7 +34,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -139,7 +139,7 @@ def mm_request(
     for identifier, embeds in items:
         features.append(
             MultiModalFeatureSpec(
-                data=None,
+                data=MultiModalKwargsItem.dummy(),  # the item carries its input
                 modality="image",
                 identifier=identifier,
                 mm_position=PlaceholderRange(offset=offset, length=embeds),

@@ -350,3 +350,58 @@ def test_vllms_encoder_cache_reset_forgets_the_region_too(
     assert first.scheduled_encoder_inputs == {"after": [0]}, "X is encoded again"
     _drain(scheduler, worker)
     assert worker.errors == [] and half.counters.hits == 0
+
+
+def _metadata_only(request: Request) -> Request:
+    """`request` with each item given by metadata alone (no input for the encoder)."""
+    for feature in request.mm_features:
+        feature.data = None
+    return request
+
+
+def test_an_item_without_input_that_no_one_holds_fails_its_request_not_the_engine(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """An EC consumer accepts items given by metadata alone. One the region does not
+    hold must never reach the encoder (the model runner, and the engine, would
+    fail): its request is handed to vLLM as unavailable and finished with an error,
+    and the next request is served."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    scheduler.add_request(_metadata_only(mm_request("M", [("X", 8)])))
+    output = run_step(scheduler, worker)
+    assert "M" not in output.scheduled_encoder_inputs
+    assert "M" not in scheduler.requests  # finished with an error
+    scheduler.add_request(mm_request("A", [("Y", 8)]))
+    _drain(scheduler, worker)
+    assert worker.errors == []
+    assert scheduler_half(scheduler).take_unavailable_requests() == set()
+
+
+def test_an_item_without_input_is_served_from_the_region_or_vllms_own_cache(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Once an item is in the region (or in vLLM's encoder cache), a request that
+    gives it by metadata alone is served like any other."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    scheduler.add_request(mm_request("A", [("X", 8)]))
+    _drain(scheduler, worker)
+    # vLLM's encoder cache still holds X: served from there.
+    assert "X" in scheduler.encoder_cache_manager.cached
+    scheduler.add_request(_metadata_only(mm_request("B", [("X", 8)])))
+    _drain(scheduler, worker)
+    half = scheduler_half(scheduler)
+    assert half.take_unavailable_requests() == set()
+    # Gone from vLLM's cache, X is loaded from the region.
+    scheduler.reset_encoder_cache()  # also forgets the region: save X again
+    scheduler.add_request(mm_request("C", [("X", 8)]))
+    _drain(scheduler, worker)
+    scheduler.encoder_cache_manager.reset()
+    scheduler.add_request(_metadata_only(mm_request("D", [("X", 8)])))
+    output = run_step(scheduler, worker)
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, ECCPUConnectorMetadata) and "X" in meta.loads
+    _drain(scheduler, worker)
+    assert worker.errors == []
+    assert half.counters.hits == 1

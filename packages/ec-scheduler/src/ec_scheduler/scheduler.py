@@ -31,6 +31,7 @@ from ec_core.sizes import format_bytes
 from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, ReportBound
+from ec_scheduler.inputs import ItemInputs
 from ec_scheduler.publishing import StatsPublisher, stat_totals
 from ec_scheduler.remote import LocalEntries, RemoteSource, Wanted, load_remote_source
 from ec_scheduler.settlement import Settlement
@@ -64,6 +65,10 @@ def _locked(
     return wrapper
 
 
+def _holds_nothing(identifier: str) -> bool:
+    return False
+
+
 def _num_embeds(position: PlaceholderRange) -> int:
     """`position.get_num_embeds()`, without building its cached cumulative sum when
     every placeholder token is an embedding (`is_embed` None): the engine core's
@@ -81,6 +86,10 @@ class ECCPUScheduler:
         them (`Settlement`);
       * no item can crash `schedule()`: items that cannot be saved (too large,
         empty, unmeasured modality, region full) are skipped;
+      * no item without input (metadata only, `ec_scheduler.inputs`) reaches the
+        encoder: a request with one that neither vLLM's encoder cache, nor a
+        ready entry here, nor a fetch can supply is failed (retryable) instead
+        of crashing the model runner (`take_unavailable_requests`);
       * nothing waits forever: a copy unreported past the configured bound is
         counted and warned about and no longer keeps the engine stepping;
       * per-step work is proportional to the step's items and landed copies,
@@ -148,6 +157,11 @@ class ECCPUScheduler:
         """The requests each of this step's loads is for."""
         self._promised: set[str] = set()
         self._stale: set[str] = set()
+        self._unavailable: set[str] = set()
+        """Requests with an item no one can supply, until `take_unavailable_requests`."""
+        self._inputs = ItemInputs(vllm_config.model_config)
+        self.vllm_holds: Callable[[str], bool] = _holds_nothing
+        """Whether vLLM's own encoder cache holds an item (`shell.own_cache` sets it)."""
         self._step = 0
         self._worker_step = 0
         self._next_tid = 0
@@ -255,15 +269,66 @@ class ECCPUScheduler:
         client UUID reused for other content) is removed here, so the item is
         a miss instead of a silently wrong load. With a remote source, the
         items this engine does not hold are offered to it; without one, this
-        never defers.
+        defers only a request it has found unavailable.
+
+        Unavailable: an item still to be encoded carries no input (metadata
+        only) and neither vLLM's encoder cache nor a ready entry of its row
+        count here holds it, and no fetch for it is in flight. The encoder
+        cannot run on it, so the request waits (False) until
+        `take_unavailable_requests` hands it to vLLM, which fails it.
         """
         with self.lock:
             if not self.is_consumer:
                 return True
+            if request.request_id in self._unavailable:
+                return False
             if self.remote is None:
                 self._retire_stale_of(request, num_computed_tokens)
-                return True
-            return self._ask_remote(request, num_computed_tokens, self.remote)
+            elif not self._ask_remote(request, num_computed_tokens, self.remote):
+                return False
+            return self._all_supplied(request, num_computed_tokens)
+
+    def _all_supplied(self, request: Request, num_computed_tokens: int) -> bool:
+        """False, with the request marked unavailable, if one of its items still to be
+        encoded carries no input and nothing holds it (see `ensure_cache_available`)."""
+        entries = self.allocator.get
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # already consumed by the model; will not be looked up
+            key = feature.identifier
+            entry = entries(key)
+            if (
+                entry is not None
+                and entry.ready
+                and entry.shape is not None
+                and entry.shape[0] == _num_embeds(position)
+                and key not in self._stale
+            ):
+                continue
+            if self.vllm_holds(key) or self._inputs.carries_input(feature):
+                continue
+            self._unavailable.add(request.request_id)
+            self._warn_now_and_then(
+                "unavailable",
+                "EC CPU tier: request %s has a %s item %s given without its input "
+                "(metadata only), and no engine holds its encoder output; the "
+                "request is failed (send its input, or retry once a producer has it)",
+                request.request_id,
+                feature.modality,
+                key,
+            )
+            return False
+        return True
+
+    def take_unavailable_requests(self) -> set[str]:
+        """The requests found unavailable since the last call (each once); vLLM fails
+        them with a retryable error."""
+        with self.lock:
+            if not self._unavailable:
+                return set()
+            taken, self._unavailable = self._unavailable, set()
+            return taken
 
     def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> None:
         """Without a remote source: retire the request's stale entries, nothing else."""
@@ -710,5 +775,6 @@ class ECCPUScheduler:
         self._load_takers = {}
         self._promised.clear()
         self._stale.clear()
+        self._unavailable.clear()
         self.settlement.clear()
         self.allocator.clear()

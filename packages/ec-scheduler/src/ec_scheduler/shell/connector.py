@@ -48,7 +48,7 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.sizes import format_bytes
 from ec_core.stats import ECCPUConnectorStats
 from ec_scheduler.scheduler import ECCPUScheduler
-from ec_scheduler.shell import backends, weight_updates
+from ec_scheduler.shell import backends, own_cache, weight_updates
 from ec_scheduler.shell.backends import CONNECTOR_NAME, Backend
 
 if TYPE_CHECKING:
@@ -80,11 +80,13 @@ class ECCPUTierConnector(ECConnectorBase):
         super().__init__(vllm_config, role)
         self._scheduler: ECCPUScheduler | None = None
         self._worker: ECCPUWorker | None = None
+        self._seen_cache: object = None
         self.worker_path = self.worker_class or self._platform_backend(vllm_config).worker
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
             self._log_startup(vllm_config, self._scheduler)
             weight_updates.install()  # vLLM's encoder-cache reset reaches the region
+            own_cache.install()  # vLLM's encoder cache is seen (`see_vllm_encoder_cache`)
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config)
         else:
@@ -205,6 +207,22 @@ class ECCPUTierConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         self.scheduler.update_state_after_alloc(request, index)
+
+    def take_unavailable_requests(self) -> set[str]:
+        if self._scheduler is None:
+            return set()
+        return self._scheduler.take_unavailable_requests()
+
+    def see_vllm_encoder_cache(self, manager: Any) -> None:
+        """vLLM's encoder cache manager (called through `shell.own_cache` for each
+        request vLLM takes): items it holds are not unavailable, with or without input."""
+        scheduler = self._scheduler
+        if scheduler is None or self._seen_cache is manager:
+            return
+        cached = getattr(manager, "cached", None)
+        if isinstance(cached, dict):
+            self._seen_cache = manager
+            scheduler.vllm_holds = cached.__contains__
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
