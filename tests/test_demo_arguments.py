@@ -94,3 +94,25 @@ def test_demo_epd_prints_the_encoder_runs_it_measured_on_both_sides(
     rows = {row[0]: row[1:] for row in cells}
     assert rows["encoder runs on the prefill instance"] == ["0", "3"]
     assert rows["encoder runs avoided on the prefill instance"] == ["4", "0"]
+
+
+def test_the_epd_proxy_asks_the_encoder_for_one_sample() -> None:
+    """With `n` > 1 vLLM runs each sample as a request of its own: on an encoder with
+    handle leases each would pin the same entries under its own lease, and the
+    response carries one handle, so the others stay pinned, unclaimed, until they
+    expire. The proxy sends the encoder one sample; the prefill instance gets `n`."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class Client:
+        def post(self, url: str, json: dict[str, Any]) -> Any:
+            sent.append((url, json))
+            answer = {"ec_transfer_params": {"ec_cpu_tier": {}}}
+            return SimpleNamespace(status_code=200, json=lambda: answer)
+
+    proxy = demo_epd.Proxy.__new__(demo_epd.Proxy)
+    proxy.encoder, proxy.prefill, proxy.client = "http://e", "http://p", Client()
+    proxy.stage_seconds, proxy.handles_forwarded = [], 0
+    proxy.forward("/v1/chat/completions", {"n": 3, "max_tokens": 8})
+    (encoder, first), (prefill, second) = sent
+    assert encoder.startswith("http://e") and (first["n"], first["max_tokens"]) == (1, 1)
+    assert prefill.startswith("http://p") and (second["n"], second["max_tokens"]) == (3, 8)

@@ -11,7 +11,7 @@ Starts, each as its own `python -m vllm.entrypoints.openai.api_server`:
 
 Both share a secret through `EC_CPU_TIER_PEER_SECRET`. A small proxy (in this
 process) takes each chat completion, sends it to the encoder instance with
-`max_tokens=1`, and forwards the request to the prefill instance with the
+`max_tokens=1` and `n=1`, and forwards the request to the prefill instance with the
 `ec_transfer_params` the encoder's response carried. The demo sends the same
 images straight to the prefill instance too (it encodes them itself) and prints,
 side by side: the time per request, encoder runs on the prefill side (read from
@@ -50,7 +50,7 @@ FLUSH = 6
 
 
 class Proxy:
-    """The EPD proxy: encoder instance first (max_tokens=1), then the prefill
+    """The EPD proxy: encoder instance first (max_tokens=1, n=1), then the prefill
     instance with the `ec_transfer_params` the encoder returned."""
 
     def __init__(self, encoder: str, prefill: str) -> None:
@@ -85,7 +85,11 @@ class Proxy:
 
     def forward(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         began = time.perf_counter()
-        first = self.client.post(f"{self.encoder}{path}", json={**body, "max_tokens": 1})
+        # One sample (n=1): vLLM runs each of n samples as a request of its own, each
+        # with a handle lease on the same entries, and returns one handle; the others'
+        # leases would keep those entries pinned, unclaimed, until they expire.
+        encode = {**body, "max_tokens": 1, "n": 1}
+        first = self.client.post(f"{self.encoder}{path}", json=encode)
         encoded = time.perf_counter()
         if first.status_code != 200:
             return first.status_code, first.json()

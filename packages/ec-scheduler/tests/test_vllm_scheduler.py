@@ -19,6 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from ec_core.metadata import ECCPUConnectorMetadata
+from ec_scheduler.remote import Wanted
 from ectools.vllm_scheduler import (
     AsyncSteps,
     SimulatedWorker,
@@ -405,3 +406,46 @@ def test_an_item_without_input_is_served_from_the_region_or_vllms_own_cache(
     _drain(scheduler, worker)
     assert worker.errors == []
     assert half.counters.hits == 1
+
+
+def _chunk(request_id: str, items: list[tuple[str, int]], *, resumable: bool = True) -> Request:
+    """A chunk of a streaming-input session (vLLM's resumable request): `mm_request`'s."""
+    request = mm_request(request_id, items)
+    request.resumable = resumable
+    return request
+
+
+def test_a_streaming_sessions_next_chunk_offers_and_saves_its_new_items(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """A streaming-input session keeps its request id, and vLLM extends its
+    `mm_features` with each chunk's media. The next chunk's new item is handled
+    like a new request's: offered to the remote source as missing (for the same
+    request id, now with more items), saved here, and gathered right."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    half = scheduler_half(scheduler)
+    asked: list[tuple[str, list[str], int]] = []
+
+    def wants(request: Request, missing: list[Wanted]) -> bool:
+        asked.append((request.request_id, [w.key for w in missing], len(request.mm_features)))
+        return False
+
+    half.remote = mock.Mock(wants=wants, request_finished=lambda request: None, stat_totals=dict)
+    scheduler.add_request(_chunk("S", [("X", 8)]))
+    for _ in range(20):
+        run_step(scheduler, worker)
+    session = scheduler.requests["S"]
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert asked[0] == ("S", ["X"], 1)
+    assert half.allocator.get("X") is not None, "X was saved"
+    asked.clear()
+    scheduler.add_request(_chunk("S", [("Y", 8)]))  # the next chunk adds Y
+    output = run_step(scheduler, worker)
+    assert asked[0] == ("S", ["Y"], 2), "Y is offered like a new request's item"
+    meta = output.ec_connector_metadata
+    assert isinstance(meta, ECCPUConnectorMetadata) and "Y" in meta.saves
+    scheduler.add_request(_chunk("S", [], resumable=False))  # the session ends
+    _drain(scheduler, worker)
+    assert "S" not in scheduler.requests
+    assert worker.errors == []

@@ -959,7 +959,7 @@ def _source_over(fetcher: Fetcher, local: LocalEntries) -> Any:
 def _request(request_id: str, **params: Any) -> Any:
     from types import SimpleNamespace
 
-    return SimpleNamespace(request_id=request_id, ec_transfer_params=params or None)
+    return SimpleNamespace(request_id=request_id, ec_transfer_params=params or None, mm_features=[])
 
 
 def _the_steps_lookup(machine: FetchMachine, source: Any) -> Lookup:
@@ -1000,6 +1000,41 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     _finish_reads(machine)
     assert machine.allocator.get("k0").ready  # type: ignore[union-attr]
     assert not source.wants(r1, []) and not source.wants(r2, [])
+
+
+def test_a_streaming_sessions_next_chunk_fetches_its_new_items() -> None:
+    """A streaming-input session (vLLM's resumable request) keeps its request id
+    across chunks, and a resumed chunk carries the media it added. Its first chunk's
+    fetch is done; the next chunk's new item, which the producer holds, must be
+    fetched like a new request's, not encoded here because the id's fetch is over."""
+    import time
+
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    source = _source_over(fetcher, machine.local)
+    _now[0] = time.monotonic()  # the source's deadlines are on the monotonic clock
+    session = _request("s1")
+    session.mm_features = ["image 0"]
+    assert source.wants(session, [Wanted("k0", 1, COLS)])
+    lookup = _the_steps_lookup(machine, source)
+    assert [key for key, _, _ in lookup.items] == ["k0"]
+    results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
+    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    _finish_reads(machine)
+    assert not source.wants(session, []), "k0 landed: the first chunk runs"
+    session.mm_features.append("image 1")  # the next chunk (vLLM extends the list)
+    assert source.wants(session, [Wanted("k1", 1, COLS)]), "k1 is fetched for the chunk"
+    lookup = _the_steps_lookup(machine, source)
+    assert [key for key, _, _ in lookup.items] == ["k1"]
+    results = [("k1", OK, [(BLOCK, COLS * ITEMSIZE)])]
+    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    _finish_reads(machine)
+    assert machine.allocator.get("k1").ready  # type: ignore[union-attr]
+    assert not source.wants(session, [])
+    assert fetcher.counters.remote_hits == 2
+    source.request_finished(session)
+    source.step_done()
+    assert source._tasks == {} and source._fetching == {} and source._finished == []
 
 
 def test_requests_that_waited_on_a_fetch_that_failed_go_on_instead_of_fetching_again() -> None:

@@ -138,6 +138,9 @@ class FetchTask:
     deadline: float
     done: bool = False
     handle: HandleLease | None = None
+    features: int = 0
+    """How many multimodal items the request had when it was asked (a streaming-input
+    session's later chunks add more)."""
 
 
 @dataclass(eq=False)

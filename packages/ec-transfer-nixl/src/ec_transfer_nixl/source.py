@@ -174,6 +174,14 @@ class NixlRemoteSource:
         if self.fetcher is None or self._closed or not self.fetcher.running:
             return False  # no fetches (any more): nothing to wait for, items encode here
         task = self._tasks.get(request.request_id)
+        features = len(request.mm_features)
+        if task is not None and features > task.features:
+            # A streaming-input session resumed with a chunk that added media (vLLM
+            # keeps its request id): the new items are asked like a new request's.
+            # The earlier chunk's task goes the way of a finished request's.
+            del self._tasks[request.request_id]
+            self._finished.append(task)
+            task = None
         if task is not None:
             # Its own fetch is asked once; it also waits for the items other requests'
             # fetches bring (as on the first call), or it would encode them meanwhile.
@@ -204,14 +212,14 @@ class NixlRemoteSource:
                 for _ in items:
                     self.counters.fell_back("incompatible")
                 self._tasks[request.request_id] = FetchTask(
-                    request.request_id, items, (), now, now, done=True
+                    request.request_id, items, (), now, now, done=True, features=features
                 )
             elif waits:
                 # It waits only for other requests' fetches: a done task records it, so
                 # once those are over it goes on (what did not land is encoded) instead
                 # of fetching those items again and waiting a timeout more each time.
                 self._tasks[request.request_id] = FetchTask(
-                    request.request_id, {}, (), now, now, done=True
+                    request.request_id, {}, (), now, now, done=True, features=features
                 )
             return waits
         task = FetchTask(
@@ -221,6 +229,7 @@ class NixlRemoteSource:
             lookup_deadline=now + self._settings.lookup_timeout_s,
             deadline=now + self._settings.fetch_timeout_s,
             handle=handle[1] if handle is not None else None,
+            features=features,
         )
         self._tasks[request.request_id] = task
         for key in items:
