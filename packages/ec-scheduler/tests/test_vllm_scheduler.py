@@ -449,3 +449,32 @@ def test_a_streaming_sessions_next_chunk_offers_and_saves_its_new_items(
     _drain(scheduler, worker)
     assert "S" not in scheduler.requests
     assert worker.errors == []
+
+
+@pytest.mark.parametrize("evicted", [True, False], ids=["oldest", "not-oldest"])
+def test_an_item_without_input_that_vllm_evicts_for_an_earlier_item_of_its_request(
+    tiny_model_dir: str, tmp_path: Path, evicted: bool
+) -> None:
+    """vLLM's encoder cache (32 rows) holds B and C, both unreferenced; the region
+    does not hold B. A request gives new item A (16 rows) with its input, then B by
+    metadata alone. Scheduling it, vLLM makes room for A by evicting its oldest
+    unreferenced item: when that is B, vLLM then finds B missing, and B must not
+    be scheduled for the encoder (it has no input: the model runner, and the
+    engine, would fail); the request fails instead. When C goes, B is served."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    order = [("B", 16), ("C", 16)] if evicted else [("C", 16), ("B", 16)]
+    scheduler.add_request(mm_request("w", order))
+    _drain(scheduler, worker)
+    assert list(scheduler.encoder_cache_manager.freeable) == [key for key, _ in order]
+    half = scheduler_half(scheduler)
+    half.allocator.drop("B")  # gone from the region (evicted there by other items)
+    request = mm_request("R", [("A", 16), ("B", 16)])
+    request.mm_features[1].data = None  # B: metadata alone
+    scheduler.add_request(request)
+    output = run_step(scheduler, worker)
+    assert output.scheduled_encoder_inputs.get("R", []) in ([], [0]), "B went to the encoder"
+    assert ("R" not in scheduler.requests) is evicted  # failed, or scheduled
+    _drain(scheduler, worker)
+    assert worker.errors == []
+    assert half.take_unavailable_requests() == set()

@@ -893,3 +893,146 @@ def test_a_request_aborted_or_failed_on_the_producer_pins_nothing_for_a_handle(
     assert params is None, "no handle for an output vLLM drops"
     assert not producer.scheduler.allocator.has_held_entries(), "nothing pinned for it"
     producer.save(Item("img-next", 4))  # room by evicting one of them
+
+
+# ------------------------------------------------- items given by metadata alone
+
+
+def _metadata_only(request: Any) -> Any:
+    """`request` with each item given by metadata alone (no input for the encoder),
+    as an EC consumer's vLLM accepts them (pre-computed embeddings without the tensor)."""
+    for feature in request.mm_features:
+        feature.data = None
+    return request
+
+
+def _settle(engine: Engine, request: Any) -> bool:
+    """What vLLM's steps make of `request`: ensure_cache_available until it stops
+    deferring (True), or until the request is handed over as unavailable and vLLM
+    fails it (False: `request_finished` with the error status, as vLLM calls it)."""
+    from vllm.v1.request import RequestStatus
+
+    began = time.monotonic()
+    while not engine.scheduler.ensure_cache_available(request, 0):
+        if request.request_id in engine.scheduler.take_unavailable_requests():
+            request.status = RequestStatus.FINISHED_ERROR
+            engine.scheduler.request_finished(request)
+            engine.scheduler.build_connector_meta(scheduler_output(0))
+            return False
+        assert time.monotonic() - began < WAIT_S, "a request was deferred for ever"
+        engine.scheduler.build_connector_meta(scheduler_output(0))
+        time.sleep(0.002)
+    assert engine.scheduler.take_unavailable_requests() == set()
+    return True
+
+
+def _with_failed_read(producer: Engine, consumer: Engine, item: Item, monkeypatch: Any) -> None:
+    """NIXL reports the READ failed (as when the producer goes away mid-READ)."""
+    producer.save(item)
+    monkeypatch.setattr(_fetcher(consumer).agent, "state", lambda handle: "ERR")
+
+
+def _with_stuck_read(producer: Engine, consumer: Engine, item: Item, monkeypatch: Any) -> None:
+    """The READ never finishes (NIXL keeps saying PROC); its deadline is moved to now
+    once it runs (a fetch timeout short enough to pass here would also cut a lookup
+    slowed by a loaded machine)."""
+    producer.save(item)
+    fetcher = _fetcher(consumer)
+    monkeypatch.setattr(fetcher.agent, "state", lambda handle: "PROC")
+
+    def expire() -> None:
+        _wait_for(lambda: bool(fetcher._reads))
+        for group in list(fetcher._reads):
+            group.deadline = time.monotonic()
+
+    threading.Thread(target=expire, daemon=True).start()
+
+
+_FAILED_FETCHES: dict[str, tuple[dict[str, Any], dict[str, Any], int, Any]] = {
+    # cause: (producer settings, consumer settings, rows, what to do before asking)
+    "missing": ({}, PATIENT, 4, None),
+    "read_error": ({}, PATIENT, 4, _with_failed_read),
+    "timeout": ({}, PATIENT, 4, _with_stuck_read),
+    "incompatible": ({"dtype": "bfloat16"}, PATIENT, 4, None),
+    "no_space": ({}, {"blocks": 8, **PATIENT}, 16, None),
+}
+
+
+@pytest.mark.parametrize("cause", sorted(_FAILED_FETCHES))
+def test_an_item_without_input_whose_fetch_fails_fails_its_request(
+    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    """A consumer asks its peers for an item given by metadata alone; the fetch fails.
+    The request must end as unavailable (handed to vLLM, which fails it): never be
+    let through to the encoder (no input: the model runner and the engine would
+    fail), never deferred for ever. Nothing stays reserved or tracked; the next
+    request with its input is encoded as usual."""
+    producer_settings, consumer_settings, rows, before = _FAILED_FETCHES[cause]
+    address = f"127.0.0.1:{_free_port()}"
+    producer = make_engine("ec_both", ec_peer_listen=address, **producer_settings)
+    consumer = make_engine("ec_consumer", ec_peers=[address], **consumer_settings)
+    item = Item(f"img-{cause}", rows)
+    if before is not None:
+        before(producer, consumer, item, monkeypatch)
+    elif cause != "missing":
+        producer.save(item)
+    request = _metadata_only(make_request("r", [item]))
+    assert not consumer.scheduler.ensure_cache_available(request, 0), "deferred while fetching"
+    assert not _settle(consumer, request), "an item without input reached the encoder"
+    assert _fallbacks(consumer) == {cause: 1}
+    source = consumer.scheduler.remote
+    assert not source._tasks and not source._fetching  # type: ignore[union-attr]
+    assert consumer.scheduler.allocator.get(item.identifier) is None
+    assert not consumer.scheduler.allocator.has_held_entries()
+    # The same item with its input goes on as usual (encoded here, or fetched once
+    # the injected fault is gone).
+    monkeypatch.undo()
+    again = make_request("r2", [item])
+    assert _settle(consumer, again)
+    meta = StepDriver(consumer.scheduler).step([again]).meta
+    assert set(meta.loads) <= {item.identifier}
+
+
+def test_an_item_without_input_that_a_peer_holds_is_fetched_and_loaded(
+    make_engine: Callable[..., Engine],
+) -> None:
+    producer, consumer, _ = _pair(make_engine, **PATIENT)
+    item = Item("img-meta", 6)
+    producer.save(item)
+    request = _metadata_only(make_request("r", [item]))
+    assert not consumer.scheduler.ensure_cache_available(request, 0), "deferred while fetching"
+    assert _settle(consumer, request)
+    meta = StepDriver(consumer.scheduler).step([request]).meta
+    assert set(meta.loads) == {"img-meta"} and meta.saves == {}
+    cache = consumer.run_step(meta)
+    assert torch.equal(cache["img-meta"], payload("img-meta", 6))
+    assert _fallbacks(consumer) == {}
+    _wait_unpinned(producer)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["fetched", "missing"])
+def test_an_item_without_input_waiting_on_another_requests_fetch(
+    make_engine: Callable[..., Engine], held: bool
+) -> None:
+    """r1 (with input) fetches the item; r2 gives the same item by metadata alone and
+    waits for r1's fetch. Landed, r2 is served; failed, r1 is encoded here and r2
+    is failed (not left to the encoder, not deferred for ever)."""
+    producer, consumer, _ = _pair(make_engine, **PATIENT)
+    item = Item("img-shared", 4)
+    if held:
+        producer.save(item)
+    first = make_request("r1", [item])
+    second = _metadata_only(make_request("r2", [item]))
+    assert not consumer.scheduler.ensure_cache_available(first, 0)
+    assert not consumer.scheduler.ensure_cache_available(second, 0), "waits for r1's fetch"
+    assert _settle(consumer, first)
+    assert _settle(consumer, second) is held
+    if held:
+        meta = StepDriver(consumer.scheduler).step([first, second]).meta
+        assert set(meta.loads) == {"img-shared"}
+        cache = consumer.run_step(meta)
+        assert torch.equal(cache["img-shared"], payload("img-shared", 4))
+        _wait_unpinned(producer)
+    else:
+        assert _fallbacks(consumer) == {"missing": 1}, "asked for once"
+        assert not consumer.scheduler.allocator.has_held_entries()

@@ -65,7 +65,7 @@ def _locked(
     return wrapper
 
 
-def _holds_nothing(identifier: str) -> bool:
+def _holds_nothing(request: Request, index: int, num_computed_tokens: int) -> bool:
     return False
 
 
@@ -160,8 +160,9 @@ class ECCPUScheduler:
         self._unavailable: set[str] = set()
         """Requests with an item no one can supply, until `take_unavailable_requests`."""
         self._inputs = ItemInputs(vllm_config.model_config)
-        self.vllm_holds: Callable[[str], bool] = _holds_nothing
-        """Whether vLLM's own encoder cache holds an item (`shell.own_cache` sets it)."""
+        self.vllm_holds: Callable[[Request, int, int], bool] = _holds_nothing
+        """Whether vLLM's own encoder cache holds item `index` of a request when it
+        gets to it (`shell.own_cache.keeps`; the shell sets it)."""
         self._step = 0
         self._worker_step = 0
         self._next_tid = 0
@@ -292,7 +293,7 @@ class ECCPUScheduler:
         """False, with the request marked unavailable, if one of its items still to be
         encoded carries no input and nothing holds it (see `ensure_cache_available`)."""
         entries = self.allocator.get
-        for feature in request.mm_features:
+        for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
@@ -306,7 +307,9 @@ class ECCPUScheduler:
                 and key not in self._stale
             ):
                 continue
-            if self.vllm_holds(key) or self._inputs.carries_input(feature):
+            if self._inputs.carries_input(feature) or self.vllm_holds(
+                request, index, num_computed_tokens
+            ):
                 continue
             self._unavailable.add(request.request_id)
             self._warn_now_and_then(

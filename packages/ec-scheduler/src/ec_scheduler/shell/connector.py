@@ -27,6 +27,7 @@ and V2 model runners.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -219,10 +220,9 @@ class ECCPUTierConnector(ECConnectorBase):
         scheduler = self._scheduler
         if scheduler is None or self._seen_cache is manager:
             return
-        cached = getattr(manager, "cached", None)
-        if isinstance(cached, dict):
+        if own_cache.readable(manager):
             self._seen_cache = manager
-            scheduler.vllm_holds = cached.__contains__
+            scheduler.vllm_holds = functools.partial(own_cache.keeps, manager)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
