@@ -85,7 +85,7 @@ CONNECT_RETRY_S = 0.005
 """How soon a lookup is sent again to a peer whose connection is not up yet."""
 DOWN_FOR_S = 5.0
 """How long a peer that did not answer is not asked."""
-CAUSE_ORDER = ("incompatible", "shape", "not_ready", "missing")
+CAUSE_ORDER = ("incompatible", "shape", "read_error", "not_ready", "missing")
 LINKS_MAX = 256
 """Links kept to peers; beyond it, those no open fetch uses are dropped (handles,
 client input, may name any number of producers; ZeroMQ allows 1023 sockets)."""
