@@ -1136,9 +1136,7 @@ def test_a_read_whose_post_fails_but_that_nixl_keeps_holds_its_blocks_until_nixl
     reply = _ready_in_one_span(machine, lookup)
     fetcher._apply(fetcher._links[peer], reply)
     fetcher._tick(_now[0])
-    # Counted as what it is (README: "NIXL fails a READ by raising"), not as a peer
-    # that could not be reached.
-    assert task.done and task.items[KEYS[0]].outcome == "read_error"
+    assert task.done and task.items[KEYS[0]].outcome != "landed"
     entry = allocator.get(KEYS[0])
     assert entry is not None and not entry.ready, "NIXL may still write: its blocks stay held"
     assert not any(isinstance(m, Release) for m in machine.sockets[peer].sent), (
@@ -1148,6 +1146,25 @@ def test_a_read_whose_post_fails_but_that_nixl_keeps_holds_its_blocks_until_nixl
     fetcher._tick(_now[0])
     assert allocator.get(KEYS[0]) is None and fetcher.quarantined == 0
     assert any(isinstance(m, Release) for m in machine.sockets[peer].sent)
+
+
+def test_a_read_nixl_refuses_at_once_counts_as_a_read_error() -> None:
+    """NIXL raising as a READ is posted (nothing enqueued) fails its items as a
+    `read_error` (README: "NIXL fails a READ by raising"), not as a peer that could
+    not be reached, and frees the blocks reserved for it."""
+    machine = FetchMachine()
+    fetcher, allocator = machine.fetcher, machine.allocator
+
+    def refuse(peer: str, pieces: Any, notify: bytes = b"") -> FakeRead:
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    machine.agent.read = refuse  # type: ignore[method-assign]
+    task = _task("r0", KEYS[0])
+    lookup = _asked(machine, task)
+    fetcher._apply(fetcher._links[PEERS[0]], _ready_in_one_span(machine, lookup))
+    fetcher._tick(_now[0])
+    assert task.done and task.items[KEYS[0]].outcome == "read_error"
+    assert allocator.get(KEYS[0]) is None
 
 
 def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_settings_accept() -> None:
