@@ -408,6 +408,27 @@ def test_an_item_without_input_is_served_from_the_region_or_vllms_own_cache(
     assert half.counters.hits == 1
 
 
+def test_an_item_without_input_the_region_holds_is_promised_when_checked(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Between `ensure_cache_available` and vLLM's lookup of the item, the fetcher
+    thread may reserve blocks for a fetch, evicting what is evictable: an item without
+    input found in the region is pinned when it is checked, so the lookup still finds
+    it (else it would go to the encoder with no input)."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    scheduler.add_request(mm_request("A", [("X", 8)]))
+    _drain(scheduler, worker)
+    scheduler.encoder_cache_manager.reset()
+    half = scheduler_half(scheduler)
+    request = _metadata_only(mm_request("B", [("X", 8)]))
+    assert half.ensure_cache_available(request, 0)
+    allocator = half.allocator
+    free = allocator.num_free_blocks + allocator.num_evictable_blocks
+    assert allocator.alloc("fetched", free, force=True) is not None  # evicts what it can
+    assert half.has_cache_item("X"), "X was evicted between the check and the lookup"
+
+
 def _chunk(request_id: str, items: list[tuple[str, int]], *, resumable: bool = True) -> Request:
     """A chunk of a streaming-input session (vLLM's resumable request): `mm_request`'s."""
     request = mm_request(request_id, items)

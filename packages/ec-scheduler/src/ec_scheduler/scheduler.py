@@ -306,6 +306,12 @@ class ECCPUScheduler:
                 and entry.shape[0] == _num_embeds(position)
                 and key not in self._stale
             ):
+                if key not in self._promised and not self._inputs.carries_input(feature):
+                    # Promised now, as `has_cache_item` would: between this check and
+                    # vLLM's lookup the fetcher thread may reserve blocks, evicting it,
+                    # and an item without input must not reach the encoder.
+                    self.allocator.pin_entry(entry)
+                    self._promised.add(key)
                 continue
             if self._inputs.carries_input(feature) or self.vllm_holds(
                 request, index, num_computed_tokens
