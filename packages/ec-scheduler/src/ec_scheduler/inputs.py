@@ -32,19 +32,31 @@ class ItemInputs:
     def __init__(self, model_config: ModelConfig | None) -> None:
         self._model_config = model_config
         self._metadata: dict[str, frozenset[str]] = {}
+        self.plain: set[str] = set()
+        """Modalities known to have no metadata-only field: an item of one carries its
+        input iff it has any data (the hot path tests this inline)."""
 
     def carries_input(self, feature: MultiModalFeatureSpec) -> bool:
         """True if the encoder could run on `feature` (it holds more than metadata)."""
         data = feature.data
-        if not data:
+        if data is None:
             return False
-        metadata = self._metadata_fields(feature.modality)
-        return any(elem.data is not None for name, elem in data.items() if name not in metadata)
+        fields = getattr(data, "data", data)  # the dict under vLLM's UserDict: faster
+        if not fields:
+            return False
+        metadata = self._metadata.get(feature.modality)
+        if metadata is None:
+            metadata = self._metadata_fields(feature.modality)
+        if not metadata:
+            return True  # no field of this modality is metadata alone: any data is input
+        return any(elem.data is not None for name, elem in fields.items() if name not in metadata)
 
     def _metadata_fields(self, modality: str) -> frozenset[str]:
         fields = self._metadata.get(modality)
         if fields is None:
             fields = self._metadata[modality] = self._resolve(modality)
+            if not fields:
+                self.plain.add(modality)
         return fields
 
     def _resolve(self, modality: str) -> frozenset[str]:

@@ -284,21 +284,27 @@ class ECCPUScheduler:
             if request.request_id in self._unavailable:
                 return False
             if self.remote is None:
-                self._retire_stale_of(request, num_computed_tokens)
+                if self._retire_stale_of(request, num_computed_tokens):
+                    return True  # every item carries its input
             elif not self._ask_remote(request, num_computed_tokens, self.remote):
                 return False
             return self._all_supplied(request, num_computed_tokens)
 
     def _all_supplied(self, request: Request, num_computed_tokens: int) -> bool:
         """False, with the request marked unavailable, if one of its items still to be
-        encoded carries no input and nothing holds it (see `ensure_cache_available`)."""
-        entries = self.allocator.get
+        encoded carries no input and nothing holds it (see `ensure_cache_available`).
+
+        An item with input (nearly every item) costs one test here: the rest only
+        runs for items without input."""
+        carries_input = self._inputs.carries_input
         for index, feature in enumerate(request.mm_features):
+            if carries_input(feature):
+                continue
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
             key = feature.identifier
-            entry = entries(key)
+            entry = self.allocator.get(key)
             if (
                 entry is not None
                 and entry.ready
@@ -306,16 +312,14 @@ class ECCPUScheduler:
                 and entry.shape[0] == _num_embeds(position)
                 and key not in self._stale
             ):
-                if key not in self._promised and not self._inputs.carries_input(feature):
+                if key not in self._promised:
                     # Promised now, as `has_cache_item` would: between this check and
                     # vLLM's lookup the fetcher thread may reserve blocks, evicting it,
                     # and an item without input must not reach the encoder.
                     self.allocator.pin_entry(entry)
                     self._promised.add(key)
                 continue
-            if self._inputs.carries_input(feature) or self.vllm_holds(
-                request, index, num_computed_tokens
-            ):
+            if self.vllm_holds(request, index, num_computed_tokens):
                 continue
             self._unavailable.add(request.request_id)
             self._warn_now_and_then(
@@ -339,10 +343,18 @@ class ECCPUScheduler:
             taken, self._unavailable = self._unavailable, set()
             return taken
 
-    def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> None:
-        """Without a remote source: retire the request's stale entries, nothing else."""
+    def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> bool:
+        """Without a remote source: retire the request's stale entries; whether every
+        item carries its input (else `_all_supplied` must look further; one loop for
+        both in the usual case)."""
         entries = self.allocator.get
+        carries_input = self._inputs.carries_input
+        plain = self._inputs.plain
+        all_carry = True
         for feature in request.mm_features:
+            # `carries_input`, with its usual answer inline: this runs for every item.
+            if all_carry and not (feature.modality in plain and feature.data):
+                all_carry = carries_input(feature)
             entry = entries(feature.identifier)
             if entry is None:
                 continue
@@ -350,6 +362,7 @@ class ECCPUScheduler:
             if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
             self._holds(entry, _num_embeds(position), request.request_id)
+        return all_carry
 
     def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
         """With a remote source: retire stale entries and offer it what is missing."""
