@@ -183,6 +183,7 @@ def _fetcher_over(context: Any) -> tuple[Fetcher, BlockAllocator, LocalEntries]:
         itemsize=ITEMSIZE,
         counters=PeerCounters(),
         on_failed=lambda key, cause: None,
+        embed_width=COLS,
         clock=lambda: _now[0],
     )
     fetcher.agent = FakeAgent()  # type: ignore[assignment]

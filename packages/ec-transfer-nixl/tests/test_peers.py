@@ -54,9 +54,9 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def payload(key: str, rows: int) -> torch.Tensor:
+def payload(key: str, rows: int, cols: int = WIDTH) -> torch.Tensor:
     generator = torch.Generator().manual_seed(sum(key.encode()) * 1000 + rows)
-    return torch.randn(rows, WIDTH, generator=generator)
+    return torch.randn(rows, cols, generator=generator)
 
 
 @dataclass
@@ -75,8 +75,8 @@ class Engine:
         cache: dict[str, torch.Tensor] = {}
         self.worker.bind(meta)
         self.worker.start_load_caches(cache, meta)
-        for key, (rows, _) in meta.save_shapes.items():
-            cache[key] = payload(key, rows).to(self.worker.dtype)
+        for key, (rows, cols) in meta.save_shapes.items():
+            cache[key] = payload(key, rows, cols).to(self.worker.dtype)
             self.worker.save_caches(cache, key, meta)
         self.worker.get_finished()
         report = self.worker.build_connector_worker_meta()
@@ -117,16 +117,23 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         blocks: int = 256,
         dtype: str = "float32",
         parallel: dict[str, int] | None = None,
+        widths: dict[str, int] | None = None,
         **peer: Any,
     ) -> Engine:
-        """`parallel`: fields of `parallel_config` to set (what vLLM sets in each engine)."""
+        """`parallel`: fields of `parallel_config` to set (what vLLM sets in each engine);
+        `widths`: the encoder output widths vLLM measured (default: the embedding width
+        for images; `{}` for none, as on a pure consumer)."""
         region = tmp_path / f"region{len(made)}"
         region.mkdir()
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         extra = {"ec_cpu_bytes": blocks * WIDTH * itemsize, "ec_cpu_dir": str(region)}
         extra.update({"ec_peer_secret": SECRET, **peer})
         config = make_vllm_config(
-            tiny_model_dir, role=role, extra=extra, widths={"image": WIDTH}, dtype=dtype
+            tiny_model_dir,
+            role=role,
+            extra=extra,
+            widths={"image": WIDTH} if widths is None else widths,
+            dtype=dtype,
         )
         for name, value in (parallel or {}).items():
             setattr(config.parallel_config, name, value)
@@ -220,6 +227,70 @@ def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., 
     consumer.wait_available(request)
     cache = consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
     assert torch.equal(cache["img-h"], payload("img-h", 6))
+
+
+DEEPSTACK = {"image": 3 * WIDTH}
+"""A DeepStack encoder's measured width (Qwen3-VL): the embedding and two more layers."""
+
+
+def test_a_consumer_that_measured_no_width_takes_a_deepstack_producers(
+    make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM measures encoder output widths on producers only. A pure consumer asks for
+    any width and takes the producer's (3x the embedding here), through `ec_peers`
+    and through a request's handle, and loads exactly the producer's bytes."""
+    producer, consumer, _ = _pair(
+        make_engine, producer={"widths": DEEPSTACK, **HANDLE_LEASES}, widths={}, **PATIENT
+    )
+    items = [Item("wide-a", 8), Item("wide-b", 5)]
+    producer.save(*items, Item("wide-h", 6))
+    for item in (*items, Item("wide-h", 6)):
+        entry = producer.scheduler.allocator.get(item.identifier)
+        assert entry is not None and entry.shape == (item.embeds, 3 * WIDTH)
+    request = make_request("r1", items)
+    consumer.wait_available(request)
+    meta = StepDriver(consumer.scheduler).step([request]).meta
+    assert {key: shape for key, (_, _, shape) in meta.loads.items()} == {
+        "wide-a": (8, 3 * WIDTH),
+        "wide-b": (5, 3 * WIDTH),
+    }
+    cache = consumer.run_step(meta)
+    for item in items:
+        assert torch.equal(cache[item.identifier], payload(item.identifier, item.embeds, 3 * WIDTH))
+    handled = make_request("r-handle", [Item("wide-h", 6)])
+    handled.ec_transfer_params = _handle_of(producer, Item("wide-h", 6))
+    consumer.wait_available(handled)
+    cache = consumer.run_step(StepDriver(consumer.scheduler).step([handled]).meta)
+    assert torch.equal(cache["wide-h"], payload("wide-h", 6, 3 * WIDTH))
+    assert _fallbacks(consumer) == {}
+    assert consumer.scheduler.stat_totals()["bytes_fetched"] == (8 + 5 + 6) * 3 * WIDTH * 4
+    assert "holds item" not in caplog.text
+
+
+def test_a_width_that_is_no_multiple_of_the_embedding_or_other_rows_is_encoded_with_a_warning(
+    make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer whose entry cannot be this engine's encoder output (a width that is not a
+    whole multiple of the embedding width; another row count: a reused UUID) is not
+    read: the item is encoded here, counted under `shape`, and the log says why."""
+    producer, consumer, _ = _pair(
+        make_engine, producer={"widths": {"image": WIDTH + 16}}, widths={}, **PATIENT
+    )
+    producer.save(Item("odd", 4))
+    consumer.wait_available(make_request("r1", [Item("odd", 4)]))
+    assert _fallbacks(consumer) == {"shape": 1}
+    assert f"holds item odd as 4 x {WIDTH + 16}" in caplog.text
+    assert f"needs 4 rows (its placeholder's embeddings) of any width" in caplog.text
+    other, consumer2, _ = _pair(make_engine, **PATIENT)
+    other.save(Item("reused", 4))
+    caplog.clear()
+    consumer2.wait_available(make_request("r2", [Item("reused", 6)]))
+    assert _fallbacks(consumer2) == {"shape": 1}
+    assert f"holds item reused as 4 x {WIDTH}, but this engine needs 6 rows" in caplog.text
+    for engine in (consumer, consumer2):
+        assert not engine.scheduler.allocator.has_held_entries()
+    _wait_unpinned(producer)
+    _wait_unpinned(other)
 
 
 def _free_ports(count: int) -> int:

@@ -35,6 +35,7 @@ from ec_transfer_nixl.wire import (
     handle_signature,
     held_by,
     open_frame,
+    overrides_text,
     seal,
 )
 
@@ -140,9 +141,19 @@ def test_fingerprints_differ_in_every_field_that_matters() -> None:
         ("dtype", "bf16"),
         ("embed_width", 64),
         ("block_bytes", 256),
+        ("overrides", overrides_text({"vision_config": {"deepstack_visual_indexes": [1]}})),
     ):
         seen.add(fingerprint(**{**base, key: other}))  # type: ignore[arg-type]
-    assert len(seen) == 6
+    assert len(seen) == 7
+
+
+def test_equal_overrides_read_alike_and_none_is_no_override() -> None:
+    assert overrides_text(None) == overrides_text({}) == ""
+    assert overrides_text({"a": 1, "b": {"c": 2}}) == overrides_text({"b": {"c": 2}, "a": 1})
+    assert overrides_text({"a": 1}) != overrides_text({"a": 2})
+    assert overrides_text(test_equal_overrides_read_alike_and_none_is_no_override).startswith(
+        "callable:"
+    )
 
 
 def test_leases_release_on_give_back_or_expiry_and_only_once() -> None:
@@ -216,7 +227,7 @@ def _before(message: type[msgspec.Struct], *added: str) -> Any:
 
 _Lookup2 = _before(Lookup, "claims")
 _Release2 = _before(Release, "more")
-_Reply2 = _before(Reply, "leases")
+_Reply2 = _before(Reply, "leases", "shapes")
 
 
 def _seal2(message: msgspec.Struct) -> bytes:
@@ -236,7 +247,7 @@ def test_claims_of_several_leases_keep_wire_version_2_in_both_directions() -> No
     )
     old_reply = _Reply2(7, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)]), ("b", LAPSED, [])])
     reply = open_frame(_seal2(old_reply), SECRET, now=1000.0)
-    assert isinstance(reply, Reply) and reply.leases == []
+    assert isinstance(reply, Reply) and reply.leases == [] and reply.shapes == []
     assert held_by(reply) == [3, 0], "an older producer's OK items are held by its `lease`"
     old_release = _Release2(1, 1000.0, 3, ["a"], True)
     assert open_frame(_seal2(old_release), SECRET, now=1000.0) == Release(
@@ -252,7 +263,9 @@ def test_claims_of_several_leases_keep_wire_version_2_in_both_directions() -> No
         seal(release, SECRET)[len(MAGIC) : -32], type=_Release2
     )
     assert (decoded_release.lease, decoded_release.keys) == (3, ["a"])
-    answer = Reply(8, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)])], leases=[3])
+    answer = Reply(
+        8, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)])], leases=[3], shapes=[(2, 128)]
+    )
     assert msgspec.msgpack.decode(seal(answer, SECRET)[len(MAGIC) : -32], type=_Reply2).lease == 3
 
 

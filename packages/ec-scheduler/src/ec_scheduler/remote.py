@@ -29,13 +29,45 @@ if TYPE_CHECKING:
 TRANSPORT_GROUP = "ec_cpu_tier.transports"
 
 
+ANY_WIDTH = 0
+"""`Wanted.cols` of an item whose encoder output width this engine does not know."""
+
+
 @dataclass(frozen=True, slots=True)
 class Wanted:
-    """An item a request needs that this engine does not hold: its key and `(rows, cols)`."""
+    """An item a request needs that this engine does not hold: its key and `(rows, cols)`.
+
+    `rows` is always the item's own embedding count. `cols` is ANY_WIDTH where
+    vLLM measured no encoder output width for the item's modality here (a pure
+    EC consumer: vLLM measures widths on producers only): a peer then answers
+    with the width it holds, which `accepts` checks and `with_cols` fixes
+    before anything is reserved or read.
+    """
 
     key: str
     rows: int
     cols: int
+
+    def accepts(self, shape: tuple[int, int], embed_width: int) -> bool:
+        """Whether an entry of `shape` is this item in this engine's model.
+
+        The rows must be the item's; the width the one asked for, or, for
+        ANY_WIDTH, a whole positive multiple of the LM embedding width: an
+        encoder output is the embedding itself, or (DeepStack) the embedding
+        and further layers of the same width side by side. That a peer's
+        width is the one this engine's model produces follows from the
+        compatibility fingerprint (same model and config) it was asked under.
+        """
+        rows, cols = shape
+        if rows != self.rows:
+            return False
+        if self.cols != ANY_WIDTH:
+            return cols == self.cols
+        return cols > 0 and embed_width > 0 and cols % embed_width == 0
+
+    def with_cols(self, cols: int) -> Wanted:
+        """This item with its width known."""
+        return Wanted(self.key, self.rows, cols)
 
 
 class RemoteSource(Protocol):
@@ -86,6 +118,9 @@ def load_remote_source(
 
 
 EntryState = Literal["ready", "saving", "missing"]
+Leased = tuple[EntryState | Literal["shape"], tuple[Run, ...], tuple[int, int] | None]
+"""What `LocalEntries.lease` answers for one item: its state, the runs pinned for
+the peer (when "ready") and the shape the entry is held in (when it is ready)."""
 
 
 class LocalEntries:
@@ -146,34 +181,32 @@ class LocalEntries:
             entry = self._allocator.get(key)
             return entry.shape if entry is not None else None
 
-    def lease(
-        self, key: str, rows: int, cols: int
-    ) -> tuple[EntryState | Literal["shape"], tuple[Run, ...]]:
-        """Pin a ready entry of exactly `(rows, cols)` for a peer; its runs, or why not."""
+    def lease(self, key: str, rows: int, cols: int) -> Leased:
+        """Pin a ready entry of `(rows, cols)` for a peer (`cols` ANY_WIDTH: of `rows`
+        rows and whatever width); its state, runs and shape (runs only when "ready",
+        the shape whenever the entry is ready)."""
         return self.lease_many(((key, rows, cols),))[0]
 
-    def lease_many(
-        self, items: Sequence[tuple[str, int, int]]
-    ) -> list[tuple[EntryState | Literal["shape"], tuple[Run, ...]]]:
+    def lease_many(self, items: Sequence[tuple[str, int, int]]) -> list[Leased]:
         """`lease` for each `(key, rows, cols)`, under one acquisition of the lock (a key
         asked twice is pinned twice)."""
         with self._lock:
             if self.closed:
-                return [("missing", ())] * len(items)
+                return [("missing", (), None)] * len(items)
             self._refresh()
             get, stale, pin = self._allocator.get, self._is_stale, self._allocator.pin_entry
-            out: list[tuple[EntryState | Literal["shape"], tuple[Run, ...]]] = []
+            out: list[Leased] = []
             for key, rows, cols in items:
                 entry = get(key)
                 if entry is None or stale(key):
-                    out.append(("missing", ()))
-                elif not entry.ready:
-                    out.append(("saving", ()))
-                elif entry.shape != (rows, cols):
-                    out.append(("shape", ()))
+                    out.append(("missing", (), None))
+                elif not entry.ready or entry.shape is None:
+                    out.append(("saving", (), None))
+                elif entry.shape[0] != rows or (cols != ANY_WIDTH and entry.shape[1] != cols):
+                    out.append(("shape", (), entry.shape))
                 else:
                     pin(entry)
-                    out.append(("ready", entry.runs))
+                    out.append(("ready", entry.runs, entry.shape))
             return out
 
     def release(self, keys: Iterable[str]) -> None:

@@ -33,7 +33,13 @@ from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, ReportBound
 from ec_scheduler.inputs import ItemInputs
 from ec_scheduler.publishing import StatsPublisher, stat_totals
-from ec_scheduler.remote import LocalEntries, RemoteSource, Wanted, load_remote_source
+from ec_scheduler.remote import (
+    ANY_WIDTH,
+    LocalEntries,
+    RemoteSource,
+    Wanted,
+    load_remote_source,
+)
 from ec_scheduler.settlement import Settlement
 
 if TYPE_CHECKING:
@@ -379,8 +385,9 @@ class ECCPUScheduler:
             if rows > 0:  # absent, or not ready yet: its save or fetch is under way
                 # In the width a save of it has (a producer's entries have their
                 # modality's measured width, wider than the embedding for DeepStack
-                # encoders); the embedding width where none was measured here.
-                cols = self._widths.get(feature.modality, self.layout.embed_width)
+                # encoders). vLLM measures widths on producers only, so a pure
+                # consumer asks for any width and takes the peer's (`Wanted`).
+                cols = self._widths.get(feature.modality, ANY_WIDTH)
                 missing.append(Wanted(feature.identifier, rows, cols))
         # Asked even with nothing missing: items being fetched for this request are
         # reserved here (not ready), and the request waits until they land.

@@ -48,6 +48,7 @@ import zmq
 from ec_core._vllm import get_logger
 from ec_core.peer_settings import LEASE_MARGIN_S
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_scheduler.remote import ANY_WIDTH
 from ec_transfer_nixl.agent import RegionAgent, Span, paired_spans
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.leases import keys_by_lease
@@ -55,7 +56,6 @@ from ec_transfer_nixl.sockets import peer_socket
 from ec_transfer_nixl.wire import (
     INCOMPATIBLE,
     LAPSED,
-    MISSING,
     OK,
     SAVING,
     SHAPE,
@@ -211,9 +211,14 @@ class Fetcher:
         itemsize: int,
         counters: PeerCounters,
         on_failed: Callable[[str, str], None],
+        embed_width: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`embed_width`: this engine's LM embedding width, which every encoder output
+        width a peer offers for an item asked with any width must be a multiple of
+        (`Wanted.accepts`)."""
         self._context = context
+        self._embed_width = embed_width
         self._secret = secret
         self._fingerprint = fingerprint
         self._local = local
@@ -543,13 +548,37 @@ class Fetcher:
         link = self._link(handle.peer)
         if link.incompatible or link.down_until > self._clock():
             return []
-        return [
-            item
-            for key, item in task.items.items()
-            if key in handle.spans
-            and handle.shapes.get(key) == (item.wanted.rows, item.wanted.cols)
-            and _holds(handle.spans[key], self._nbytes(item.wanted))
-        ]
+        claimable: list[ItemFetch] = []
+        for key, item in task.items.items():
+            shape = handle.shapes.get(key)
+            if key not in handle.spans or shape is None:
+                continue
+            if not item.wanted.accepts(shape, self._embed_width):
+                self._refused_shape(handle.peer, item.wanted, shape)
+                continue
+            # The handle is signed by a compatible producer: its width is the item's.
+            item.wanted = item.wanted.with_cols(shape[1])
+            if _holds(handle.spans[key], self._nbytes(item.wanted)):
+                claimable.append(item)
+        return claimable
+
+    def _refused_shape(self, peer: PeerAddress, wanted: Wanted, offered: tuple[int, int]) -> None:
+        """Say why an item a peer holds is not fetched from it for its shape."""
+        asked = "any width" if wanted.cols == ANY_WIDTH else f"width {wanted.cols}"
+        self._warnings.warn(
+            "shape",
+            "EC CPU tier: peer %s holds item %s as %d x %d, but this engine needs %d rows "
+            "(its placeholder's embeddings) of %s (a multiple of the embedding width %d); "
+            "encoding it here. A reused multimodal UUID, or engines configured differently "
+            "for one model, do this",
+            peer,
+            wanted.key,
+            offered[0],
+            offered[1],
+            wanted.rows,
+            asked,
+            self._embed_width,
+        )
 
     def _flush_claims(self) -> None:
         """Claim the handle leases of the tasks taken on since the last pass: per
@@ -704,7 +733,8 @@ class Fetcher:
             self._confirm(group, reply, held)
         not_needed: list[str] = []
         to_read: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]], int]] = []
-        for key, status, spans in reply.results:
+        shapes = reply.shapes if len(reply.shapes) == len(reply.results) else None
+        for at, (key, status, spans) in enumerate(reply.results):
             found = wanted.pop(key, None)  # each key is answered once per lookup
             if group is not None and key in group.claims:
                 continue  # the READ started on its claimed lease: decided by _confirm
@@ -713,18 +743,31 @@ class Fetcher:
                 continue
             task, item = found
             item.heard.add(peer)
+            offered = shapes[at] if shapes is not None else None
             if status == OK:
                 if task.done:
                     not_needed.append(key)
+                elif item.wanted.cols == ANY_WIDTH and (
+                    offered is None or not item.wanted.accepts(offered, self._embed_width)
+                ):
+                    item.answers[peer] = "shape"
+                    self._refused_shape(peer, item.wanted, offered or (0, 0))
+                    not_needed.append(key)
                 else:
+                    if item.wanted.cols == ANY_WIDTH and offered is not None:
+                        # Compatible producer (same fingerprint): its width is the item's.
+                        item.wanted = item.wanted.with_cols(offered[1])
                     to_read.append((task, item, spans, held[key]))
             elif status == SAVING:
                 item.answers[peer] = "not_ready"
                 item.retry_at[peer] = self._clock() + SAVING_RETRY_S
             elif status == LAPSED:  # the handle's lease is gone: ask every peer now
                 self._ask_again(task, item)
+            elif status == SHAPE:
+                item.answers[peer] = "shape"
+                self._refused_shape(peer, item.wanted, offered or (0, 0))
             else:
-                item.answers[peer] = {MISSING: "missing", SHAPE: "shape"}.get(status, "missing")
+                item.answers[peer] = "missing"
         if to_read:
             not_needed.extend(self._start_read(peer, link, reply, to_read, sent))
         self._release(link, keys_by_lease(held, not_needed))
@@ -795,7 +838,18 @@ class Fetcher:
         fitting: list[tuple[FetchTask, ItemFetch, list[tuple[int, int]], int]] = []
         for task, item, remote, lease in leased:
             if not _holds(remote, self._nbytes(item.wanted)):
+                # Spans that do not add up to the item's bytes: a broken peer, never
+                # read (a READ of them would write past the item's blocks here).
                 item.answers[peer] = "shape"
+                self._warnings.warn(
+                    "spans",
+                    "EC CPU tier: peer %s offered item %s in spans of %d bytes, not the "
+                    "%d its shape takes; encoding it here",
+                    peer,
+                    item.wanted.key,
+                    sum(n for _, n in remote),
+                    self._nbytes(item.wanted),
+                )
                 not_read.append(item.wanted.key)
             else:
                 fitting.append((task, item, remote, lease))

@@ -134,7 +134,7 @@ class PeerServer:
         items = [(key, rows, cols) for key, (rows, cols) in keys.items()]
         leased: dict[str, int] = {}
         spans: dict[str, list[Span]] = {}
-        for (key, rows, cols), (state, runs) in zip(
+        for (key, rows, cols), (state, runs, _) in zip(
             items, self._local.lease_many(items), strict=True
         ):
             if state == "ready":
@@ -290,11 +290,15 @@ class PeerServer:
         itemsize, spans, counters = self._itemsize, self._spans, self.counters
         for reply, items in answering:
             leased: dict[str, int] = {}
-            results = reply.results
+            results, shapes = reply.results, reply.shapes
             answered, at = states[at : at + len(items)], at + len(items)
-            for (key, rows, cols), (state, runs) in zip(items, answered, strict=True):
-                if state == "ready":
-                    nbytes = rows * cols * itemsize
+            for (key, _, _), (state, runs, held) in zip(items, answered, strict=True):
+                # The shape the entry is held in, whatever was asked: a consumer that
+                # asked for any width (ANY_WIDTH) learns it here, one that asked for
+                # another shape can say which it was offered.
+                shapes.append(held or (0, 0))
+                if state == "ready" and held is not None:
+                    nbytes = held[0] * held[1] * itemsize
                     results.append((key, OK, spans(runs, nbytes)))
                     leased[key] = nbytes
                 elif state == "saving":

@@ -50,7 +50,7 @@ from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch
 from ec_transfer_nixl.server import PeerServer
-from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature
+from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature, overrides_text
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,6 +94,7 @@ class NixlRemoteSource:
             dtype=str(layout.dtype),
             embed_width=layout.embed_width,
             block_bytes=layout.block_size_bytes,
+            overrides=overrides_text(getattr(model, "hf_overrides", None)),
         )
         self._region = open_region(layout)  # joins the file the workers created
         self._base = self._region.base_address
@@ -139,6 +140,7 @@ class NixlRemoteSource:
                     itemsize=self._itemsize,
                     counters=self.counters,
                     on_failed=self._note_failure,
+                    embed_width=layout.embed_width,
                 )
                 self.fetcher.start()
         except BaseException:

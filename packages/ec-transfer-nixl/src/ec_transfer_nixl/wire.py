@@ -21,7 +21,7 @@ name the leases of several handles (`Lookup.claims`, one per item), and its
 Reply says per item which lease holds it (`Reply.leases`).
 
 Wire version 2 grew by trailing fields with defaults only (`Lookup.claims`,
-`Reply.leases`, `Release.more`): a peer without them ignores them, and one
+`Reply.leases`, `Reply.shapes`, `Release.more`): a peer without them ignores them, and one
 with them reads a message without them as the defaults, so both still speak
 version 2. A consumer sends each claim with `claim` set to its first lease, so
 a producer that knows no `claims` answers it as a claim of that lease alone
@@ -71,7 +71,9 @@ class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
     sent_at: float
     fingerprint: str
     items: list[tuple[str, int, int]]
-    """`(key, rows, cols)` per item."""
+    """`(key, rows, cols)` per item; `cols` 0 (`ec_scheduler.remote.ANY_WIDTH`): of
+    whatever width the producer holds it in (a consumer that measured no encoder
+    output width for the item's modality)."""
     known_agent: str = ""
     """The producer's NIXL agent this consumer knows already: its metadata is then
     not sent again."""
@@ -117,6 +119,10 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
     leases: list[int] = []
     """The answer to a claim: per result, the lease that holds it for this consumer
     (0: none). Empty: every OK item is held by `lease`."""
+    shapes: list[tuple[int, int]] = []
+    """The answer to a lookup: per result, the `(rows, cols)` the producer holds the
+    item in ((0, 0): none), so a consumer that asked for any width learns it, and
+    one that was answered SHAPE can say what was on offer."""
 
 
 Message = Lookup | Release | Reply
@@ -202,16 +208,39 @@ def handle_signature(secret: bytes, fields: dict[str, Any]) -> str:
 
 
 def fingerprint(
-    *, model: str, revision: str | None, dtype: str, embed_width: int, block_bytes: int
+    *,
+    model: str,
+    revision: str | None,
+    dtype: str,
+    embed_width: int,
+    block_bytes: int,
+    overrides: str = "",
 ) -> str:
-    """What must match for an entry of one engine to be valid in another."""
+    """What must match for an entry of one engine to be valid in another.
+
+    `overrides` is the engine's `hf_overrides` in canonical text (`overrides_text`):
+    they can change the model's architecture, and with it the width of its encoder
+    outputs, which a consumer that measured none takes from its peer's answer.
+    """
     identity: dict[str, Any] = {
         "model": model,
         "revision": revision or "",
         "dtype": dtype,
         "embed_width": embed_width,
         "block_bytes": block_bytes,
+        "overrides": overrides,
         "wire": WIRE_VERSION,
     }
     text = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def overrides_text(overrides: object) -> str:
+    """`hf_overrides` as text that is equal for equal overrides: a mapping as sorted JSON,
+    a callable by its qualified name (what it does cannot be compared), nothing as ""."""
+    if not overrides:
+        return ""
+    if callable(overrides):
+        module = getattr(overrides, "__module__", "")
+        return f"callable:{module}.{getattr(overrides, '__qualname__', '')}"
+    return json.dumps(overrides, sort_keys=True, default=str)
