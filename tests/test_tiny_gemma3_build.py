@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ectools.model_build import check_reused_and_redone
 from ectools.tiny_gemma3 import FAMILY, MM_TOKENS_PER_IMAGE, PROMPT, build_tiny_gemma3
 
 
@@ -23,25 +24,7 @@ def test_a_build_cut_short_is_redone_and_a_finished_one_reused(
     model_dir: Path, tmp_path: Path
 ) -> None:
     out = Path(shutil.copytree(model_dir, tmp_path / "model"))
-    weights = out / "model.safetensors"
-    original = weights.read_bytes()
-    tokenizer = (out / "tokenizer.json").read_bytes()
-    assert not (out / ".building").exists()
-    finished_at = weights.stat().st_mtime_ns
-    assert build_tiny_gemma3(out) == out
-    assert weights.stat().st_mtime_ns == finished_at  # reused, not rebuilt
-
-    # Killed while writing the weights: config.json and part of the weights are there.
-    (out / ".building").touch()
-    with weights.open("r+b") as handle:
-        handle.truncate(len(original) // 3)
-    for name in ("tokenizer.json", "processor_config.json"):
-        (out / name).unlink(missing_ok=True)
-    build_tiny_gemma3(out)
-    assert not (out / ".building").exists()
-    assert weights.read_bytes() == original  # seeded: the same model again
-    assert (out / "tokenizer.json").read_bytes() == tokenizer
-    assert (out / "processor_config.json").exists()
+    check_reused_and_redone(build_tiny_gemma3, out)
 
 
 def test_the_folder_holds_what_vllm_looks_up(model_dir: Path) -> None:

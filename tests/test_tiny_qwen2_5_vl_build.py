@@ -4,13 +4,13 @@ depend on the image."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ectools.families import Family
+from ectools.model_build import check_reused_and_redone
 from ectools.tiny_qwen2_5_vl import FAMILY, build_tiny_qwen2_5_vl
 
 
@@ -19,33 +19,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "model")
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def test_a_build_cut_short_is_redone_and_a_finished_one_reused(tmp_path: Path) -> None:
-    out = build_tiny_qwen2_5_vl(tmp_path / "model")
-    weights = out / "model.safetensors"
-    size = weights.stat().st_size
-    digest = _digest(weights)
-    assert not (out / ".building").exists()
-    for name in ("config.json", "tokenizer.json", "processor_config.json"):
-        assert (out / name).exists()
-    finished_at = weights.stat().st_mtime_ns
-    assert build_tiny_qwen2_5_vl(out) == out
-    assert weights.stat().st_mtime_ns == finished_at  # reused, not rebuilt
-
-    # Killed while writing the weights: config.json and part of the weights are there.
-    (out / ".building").touch()
-    with weights.open("r+b") as handle:
-        handle.truncate(size // 3)
-    for name in ("tokenizer.json", "processor_config.json"):
-        (out / name).unlink(missing_ok=True)
-    build_tiny_qwen2_5_vl(out)
-    assert weights.stat().st_size == size
-    assert _digest(weights) == digest  # seeded: the same weights again
-    assert (out / "tokenizer.json").exists() and (out / "processor_config.json").exists()
-    assert not (out / ".building").exists()
+    check_reused_and_redone(build_tiny_qwen2_5_vl, tmp_path / "model")
 
 
 def test_the_family_describes_twelve_items_of_both_modalities() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from ectools.model_build import check_reused_and_redone
 from ectools.tiny_qwen3_vl import (
     DEEPSTACK_WIDTH_FACTOR,
     FAMILY,
@@ -24,24 +25,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_build_cut_short_is_redone_and_a_finished_one_reused(tmp_path: Path) -> None:
-    out = build_tiny_qwen3_vl(tmp_path / "model")
-    weights = out / "model.safetensors"
-    size = weights.stat().st_size
-    assert not (out / ".building").exists()
-    finished_at = weights.stat().st_mtime_ns
-    assert build_tiny_qwen3_vl(out) == out
-    assert weights.stat().st_mtime_ns == finished_at  # reused, not rebuilt
-
-    # Killed while writing the weights: config.json and part of the weights are there.
-    (out / ".building").touch()
-    with weights.open("r+b") as handle:
-        handle.truncate(size // 3)
-    for name in ("tokenizer.json", "processor_config.json"):
-        (out / name).unlink(missing_ok=True)
-    build_tiny_qwen3_vl(out)
-    assert weights.stat().st_size == size
-    assert (out / "tokenizer.json").exists() and (out / "processor_config.json").exists()
-    assert not (out / ".building").exists()
+    check_reused_and_redone(build_tiny_qwen3_vl, tmp_path / "model")
 
 
 def test_the_config_has_deepstack_layers_and_their_weights(built: Path) -> None:

@@ -6,7 +6,8 @@ same index is the same image or video in every engine, so two engines' outputs
 can be compared item by item). `FAMILIES` names them all; `model_dir` builds one
 into the shared cache (`build/models/` under the repository, or
 `EC_CPU_TIER_MODEL_CACHE`), keyed by a digest of the builder's source, so a
-changed builder never hands out a model built by its old code.
+changed builder never hands out a model built by its old code. Old folders are
+left there: `rm -r build/models` reclaims them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ectools import model_build
 from ectools.tiny_blip2 import build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,11 +125,13 @@ def cache_root() -> Path:
 def model_dir(name: str, root: Path | None = None) -> Path:
     """The folder of family `name`'s tiny model, built there first if needed.
 
-    The folder's name carries a digest of the builder's source module, so
-    editing a builder builds a new model rather than reusing the old one.
+    The folder's name carries a digest of the builder's source module and of
+    `ectools.model_build`, so editing a builder builds a new model rather than
+    reusing the old one.
     """
     chosen = family(name)
-    source = inspect.getsource(inspect.getmodule(chosen.build) or chosen.build)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+    sources = [inspect.getsource(inspect.getmodule(chosen.build) or chosen.build)]
+    sources.append(inspect.getsource(model_build))  # what every builder calls
+    digest = hashlib.sha256("\n".join(sources).encode()).hexdigest()[:12]
     out = (root or cache_root()) / f"{name}-{digest}"
     return chosen.build(out)

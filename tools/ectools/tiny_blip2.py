@@ -13,12 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-_CORPUS = (
-    "Question: What is in the picture? Answer: a cat sitting on a mat.",
-    "Describe the image in detail. The photo shows a red car on a street.",
-    "A dog runs in the park. The sky is blue and the grass is green.",
-    "Question: how many people are there? Answer: two people are walking.",
-)
+from ectools.model_build import build_once, byte_bpe, fast_tokenizer, randomise_biases
 
 
 @dataclass(frozen=True)
@@ -66,21 +61,9 @@ is 160 KiB), with a language model still small enough for 2 cores."""
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE(unk_token=None))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+    core = byte_bpe(["<pad>", "</s>", "<unk>"], vocab_size=vocab_size)
+    tokenizer = fast_tokenizer(
+        core,
         bos_token="</s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -146,24 +129,16 @@ def write_config_only(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBli
 
 
 def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip2()) -> Path:
-    """Build weights, tokenizer and processor into `out_dir` (idempotent).
+    """Build weights, tokenizer and processor into `out_dir` once (`build_once`: a build
+    cut short is done again by the next call)."""
+    return build_once(out_dir, lambda out: _write(out, spec))
 
-    The folder holds a `.building` marker from the first file written to the last,
-    so a build cut short (Ctrl-C or a kill while the weights, the tokenizer or the
-    processor were being written) is done again by the next call instead of being
-    taken as finished: the demos keep their model under `build/` across runs.
-    """
-    out = Path(out_dir)
-    building = out / ".building"
-    finished = (out / "config.json").exists() and (out / "model.safetensors").exists()
-    if finished and not building.exists():
-        return out
+
+def _write(out: Path, spec: TinyBlip2) -> None:
     import torch
     from transformers import Blip2ForConditionalGeneration, Blip2Processor
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
-    out.mkdir(parents=True, exist_ok=True)
-    building.touch()
     torch.manual_seed(spec.seed)
     tokenizer = _train_tokenizer(spec.vocab_size)
     special = {
@@ -173,11 +148,7 @@ def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip
     }
     config = _configs(spec, len(tokenizer), tokenizer.convert_tokens_to_ids("<image>"), special)
     model = Blip2ForConditionalGeneration(config).to(torch.float32).eval()
-    with torch.no_grad():
-        # Random biases too, so that every image gives visibly different text.
-        for name, param in model.named_parameters():
-            if param.dim() == 1 and "norm" not in name.lower():
-                param.normal_(0.0, 0.1)
+    randomise_biases(model)
     model.save_pretrained(out, safe_serialization=True)
     processor = Blip2Processor(
         image_processor=BlipImageProcessorPil(
@@ -191,5 +162,3 @@ def build_tiny_blip2(out_dir: str | os.PathLike[str], spec: TinyBlip2 = TinyBlip
     )
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
-    building.unlink()
-    return out

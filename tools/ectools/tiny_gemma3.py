@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ectools.families import Family, Item, random_image
+from ectools.model_build import build_once, byte_bpe, fast_tokenizer, save_model
 
 SEED = 0
 IMAGE_SIZE = 64
@@ -90,36 +91,17 @@ IMAGE_SIZES = (
 
 
 def _train_tokenizer() -> Any:
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import AddedToken, processors
 
-    core = Tokenizer(models.BPE(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
+    core = byte_bpe(SPECIAL_TOKENS, vocab_size=VOCAB_SIZE, corpus=_CORPUS, unk_token="<unk>")
     # Whole newline tokens, matched before the byte-level split (longest first).
     core.add_tokens([AddedToken(text, normalized=False) for text in NEWLINES])
     bos = core.token_to_id("<bos>")
     core.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)]
     )
-    fast: Any = PreTrainedTokenizerFast  # untyped
-    tokenizer = fast(
-        tokenizer_object=core,
+    tokenizer = fast_tokenizer(
+        core,
         bos_token="<bos>",
         eos_token="<eos>",
         unk_token="<unk>",
@@ -196,36 +178,17 @@ _RENAMES = (
 """transformers 5's names -> the published checkpoints' (what vLLM's SigLIP loads)."""
 
 
-def _published_weights(model: Any) -> dict[str, Any]:
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        saved = name
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                saved = new + name[len(old) :]
-                break
-        weights[saved] = tensor.contiguous()
-    return weights
-
-
 def build_tiny_gemma3(out_dir: str | os.PathLike[str]) -> Path:
-    """Build weights, config, tokenizer and processor into `out_dir` (idempotent).
+    """Build weights, config, tokenizer and processor into `out_dir` once (`build_once`:
+    a build cut short is done again by the next call)."""
+    return build_once(out_dir, _write)
 
-    Like `build_tiny_blip2`, the folder holds a `.building` marker from the first
-    file written to the last, so a build cut short is done again by the next call.
-    """
-    out = Path(out_dir)
-    building = out / ".building"
-    finished = (out / "config.json").exists() and (out / "model.safetensors").exists()
-    if finished and not building.exists():
-        return out
+
+def _write(out: Path) -> None:
     import torch
-    from safetensors.torch import save_file
     from transformers import Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    out.mkdir(parents=True, exist_ok=True)
-    building.touch()
     torch.manual_seed(SEED)
     tokenizer = _train_tokenizer()
     config = _config(tokenizer)
@@ -245,9 +208,7 @@ def build_tiny_gemma3(out_dir: str | os.PathLike[str]) -> Path:
                 param.normal_(0.0, 1.0)  # Gemma's norms scale by 1 + weight
             elif "norm" not in name:
                 param.normal_(0.0, 0.1)
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    save_file(_published_weights(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_model(model, out, _RENAMES)
     processor = Gemma3Processor(
         image_processor=Gemma3ImageProcessorPil(
             size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
@@ -260,8 +221,6 @@ def build_tiny_gemma3(out_dir: str | os.PathLike[str]) -> Path:
     )
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
-    building.unlink()
-    return out
 
 
 def item(index: int) -> Item:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ectools.families import Family, Item, random_image
-from ectools.tiny_blip2 import _CORPUS
+from ectools.model_build import build_once, byte_bpe, fast_tokenizer, randomise_biases
 
 SEED = 0
 MERGE = 28
@@ -68,21 +68,8 @@ greedy outputs of videos would differ between the two)."""
 
 
 def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE(unk_token=None))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=core,
+    tokenizer = fast_tokenizer(
+        byte_bpe(SPECIAL_TOKENS),
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -147,16 +134,12 @@ def _config(tokenizer: Any) -> Any:
 
 
 def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike[str]) -> Path:
-    """Build weights, config, tokenizer and processors into `out_dir` (idempotent).
+    """Build weights, config, tokenizer and processors into `out_dir` once (`build_once`:
+    a build cut short is done again by the next call)."""
+    return build_once(out_dir, _write)
 
-    Like `build_tiny_blip2`, the folder holds a `.building` marker from the first
-    file written to the last, so a build cut short is done again by the next call.
-    """
-    out = Path(out_dir)
-    building = out / ".building"
-    finished = (out / "config.json").exists() and (out / "model.safetensors").exists()
-    if finished and not building.exists():
-        return out
+
+def _write(out: Path) -> None:
     import torch
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,
@@ -165,18 +148,12 @@ def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike[str]) -> Path:
         Qwen2VLVideoProcessor,
     )
 
-    out.mkdir(parents=True, exist_ok=True)
-    building.touch()
     torch.manual_seed(SEED)
     tokenizer = _train_tokenizer()
     config = _config(tokenizer)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()  # type: ignore[no-untyped-call]
     assert model.dtype == torch.float32
-    with torch.no_grad():
-        # Random biases too, so that every image gives visibly different text.
-        for name, param in model.named_parameters():
-            if param.dim() == 1 and "norm" not in name and "ln_q" not in name:
-                param.normal_(0.0, 0.1)
+    randomise_biases(model, spared=("norm", "ln_q"))
     model.save_pretrained(out, safe_serialization=True)
     processor = Qwen2_5_VLProcessor(  # type: ignore[no-untyped-call]
         image_processor=Qwen2VLImageProcessorPil(size=dict(IMAGE_PIXELS)),
@@ -185,8 +162,6 @@ def build_tiny_qwen2_5_vl(out_dir: str | os.PathLike[str]) -> Path:
     )
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
-    building.unlink()
-    return out
 
 
 def _video(index: int, frames: int, width: int, height: int) -> Any:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ectools.tiny_blip2 import _CORPUS
+from ectools.model_build import build_once, byte_bpe, fast_tokenizer, save_model
 
 AUDIO_TOKENS = ("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>")
 PROMPT = "<|audio_bos|><|AUDIO|><|audio_eos|>Question: what is in the picture? Answer:"
@@ -25,34 +25,23 @@ EMBEDS_PER_AUDIO = 50
 
 
 def build_tiny_qwen2audio(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Build weights, tokenizer and processor into `out_dir` (idempotent)."""
-    out = Path(out_dir)
-    if (out / "model.safetensors").exists() and (out / "processor_config.json").exists():
-        return out
+    """Build weights, tokenizer and processor into `out_dir` once (`build_once`)."""
+    return build_once(out_dir, lambda out: _write(out, seed))
+
+
+def _write(out: Path, seed: int) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
-        PreTrainedTokenizerFast,
         Qwen2AudioConfig,
         Qwen2AudioForConditionalGeneration,
         Qwen2AudioProcessor,
         WhisperFeatureExtractor,
     )
 
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    core = Tokenizer(models.BPE(unk_token=None))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", *AUDIO_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+    core = byte_bpe(["<|endoftext|>", *AUDIO_TOKENS])
+    tokenizer = fast_tokenizer(
+        core,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -98,26 +87,13 @@ def build_tiny_qwen2audio(out_dir: str | os.PathLike[str], seed: int = 0) -> Pat
         ("model.language_model.", "language_model.model."),
         ("lm_head.", "language_model.lm_head."),
     )
-    from safetensors.torch import save_file
-
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        saved = name
-        for old, new in renames:
-            if name.startswith(old):
-                saved = new + name[len(old) :]
-                break
-        weights[saved] = tensor.contiguous()
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_model(model, out, renames)
     processor = Qwen2AudioProcessor(
         feature_extractor=WhisperFeatureExtractor(feature_size=80),
         tokenizer=tokenizer,
     )
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
-    return out
 
 
 def run_metadata_only(model_dir: str, region_dir: str, role: str = "ec_both") -> dict[str, Any]:

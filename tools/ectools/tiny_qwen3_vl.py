@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ectools.families import Family, Item, random_image
-from ectools.tiny_blip2 import _CORPUS
+from ectools.model_build import build_once, byte_bpe, fast_tokenizer, randomise_biases, save_model
 
 SEED = 0
 PATCH = 16
@@ -77,22 +77,8 @@ IMAGE_SIZES = (
 
 
 def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE(unk_token=None))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
-    fast: Any = PreTrainedTokenizerFast  # untyped in transformers
-    tokenizer = fast(
-        tokenizer_object=core,
+    tokenizer = fast_tokenizer(
+        byte_bpe(SPECIAL_TOKENS, vocab_size=VOCAB_SIZE),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=1024,
@@ -187,32 +173,23 @@ def _randomise(model: Any) -> None:
     DeepStack mergers, so that their features visibly count too."""
     import torch
 
+    randomise_biases(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1 and "norm" not in name.lower():
-                param.normal_(0.0, 0.1)
         for merger in model.model.visual.deepstack_merger_list:
             merger.linear_fc2.weight.mul_(DEEPSTACK_GAIN)
             merger.linear_fc2.bias.mul_(DEEPSTACK_GAIN)
 
 
 def build_tiny_qwen3_vl(out_dir: str | os.PathLike[str]) -> Path:
-    """Build weights, config, tokenizer and processors into `out_dir` (idempotent).
+    """Build weights, config, tokenizer and processors into `out_dir` once (`build_once`:
+    a build cut short is done again by the next call)."""
+    return build_once(out_dir, _write)
 
-    As `build_tiny_blip2` does, the folder holds a `.building` marker from the
-    first file written to the last, so a build cut short is done again.
-    """
-    out = Path(out_dir)
-    building = out / ".building"
-    finished = (out / "config.json").exists() and (out / "model.safetensors").exists()
-    if finished and not building.exists():
-        return out
+
+def _write(out: Path) -> None:
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen3VLForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    building.touch()
     torch.manual_seed(SEED)
     tokenizer = _train_tokenizer()
     config = _config(tokenizer)
@@ -221,14 +198,9 @@ def build_tiny_qwen3_vl(out_dir: str | os.PathLike[str]) -> Path:
     _randomise(model)
     # transformers 5 names the weights as Qwen3-VL checkpoints do (`model.visual.`,
     # `model.language_model.`, `lm_head.`), which vLLM's loader maps itself.
-    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_model(model, out)
     tokenizer.save_pretrained(out)
     _processor(tokenizer).save_pretrained(out)
-    building.unlink()
-    return out
 
 
 def item(index: int) -> Item:
