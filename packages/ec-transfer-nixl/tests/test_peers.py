@@ -280,7 +280,7 @@ def test_a_width_that_is_no_multiple_of_the_embedding_or_other_rows_is_encoded_w
     consumer.wait_available(make_request("r1", [Item("odd", 4)]))
     assert _fallbacks(consumer) == {"shape": 1}
     assert f"holds item odd as 4 x {WIDTH + 16}" in caplog.text
-    assert f"needs 4 rows (its placeholder's embeddings) of any width" in caplog.text
+    assert "needs 4 rows (its placeholder's embeddings) of any width" in caplog.text
     other, consumer2, _ = _pair(make_engine, **PATIENT)
     other.save(Item("reused", 4))
     caplog.clear()
