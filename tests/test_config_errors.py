@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ectools.engine import engine_env
+from ectools.engine import engine_env, run_python
 
 BAD = {"ec_cpu_bytes": "12XB"}
 MESSAGE = "ec_connector_extra_config['ec_cpu_bytes'] = '12XB' is invalid: unknown unit 'XB'"
@@ -45,14 +45,7 @@ def _construct(
             print("RAISED", type(exc).__name__, str(exc).replace("\\n", " "))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=engine_env(runner),
-        check=False,
-    )
+    done = run_python(code, runner)
     raised = [line for line in done.stdout.splitlines() if line.startswith("RAISED")]
     return (raised[0] if raised else ""), done.stdout + done.stderr
 

@@ -19,12 +19,17 @@ import pytest
 REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements"
 
 
-def _cpu_torch() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cpu_torch", REQUIREMENTS / "cpu_torch.py")
+def _recipe_script(name: str) -> ModuleType:
+    """`requirements/<name>.py`, imported (the recipe runs it as a script)."""
+    spec = importlib.util.spec_from_file_location(name, REQUIREMENTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _cpu_torch() -> ModuleType:
+    return _recipe_script("cpu_torch")
 
 
 @pytest.mark.parametrize(
@@ -85,12 +90,7 @@ def test_a_failed_cpu_index_install_stops_with_the_command(
 
 
 def _cpu_torchvision() -> ModuleType:
-    path = REQUIREMENTS / "cpu_torchvision.py"
-    spec = importlib.util.spec_from_file_location("cpu_torchvision", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _recipe_script("cpu_torchvision")
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from ectools.engine import engine_env
+from ectools.engine import run_python
 from ectools.runners import STANDIN, default_runner, runner_env
 
 
@@ -45,14 +43,7 @@ def test_vllm_sees_a_cpu_triton_backend_only_with_the_standin(
         "from triton.backends import backends\n"
         "print('FOUND', HAS_TRITON, sorted(backends))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=engine_env(runner),
-        check=False,
-    )
+    done = run_python(code, runner)
     found = [line for line in done.stdout.splitlines() if line.startswith("FOUND")]
     assert found, done.stdout[-2000:] + done.stderr[-2000:]
     assert found[0].startswith(f"FOUND {has_triton} ")

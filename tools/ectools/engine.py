@@ -333,6 +333,19 @@ def engine_env(runner: str | None = None) -> dict[str, str]:
     return runner_env(runner or default_runner(), env)
 
 
+def run_python(code: str, runner: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter with an engine's environment (`engine_env`) and
+    wait for it (5 minutes at most); its output is captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=engine_env(runner),
+        check=False,
+    )
+
+
 def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
     """Start `python -m ectools.engine SPEC` (stdout piped, text mode); with
     `start_new_session=True` in a process group of its own, which `finish` and
