@@ -553,14 +553,25 @@ class Fetcher:
             shape = handle.shapes.get(key)
             if key not in handle.spans or shape is None:
                 continue
-            if not item.wanted.accepts(shape, self._embed_width):
-                self._refused_shape(handle.peer, item.wanted, shape)
-                continue
-            # The handle is signed by a compatible producer: its width is the item's.
-            item.wanted = item.wanted.with_cols(shape[1])
-            if _holds(handle.spans[key], self._nbytes(item.wanted)):
+            if self._takes(handle.peer, item, shape) and _holds(
+                handle.spans[key], self._nbytes(item.wanted)
+            ):
                 claimable.append(item)
         return claimable
+
+    def _takes(self, peer: PeerAddress, item: ItemFetch, offered: tuple[int, int] | None) -> bool:
+        """Whether `item` may be read as the shape `peer` holds it in (`offered`; None from
+        a producer that does not say), fixing the item's width from it; a refusal is
+        said in a rate-limited warning. The peer is compatible (same fingerprint), so an
+        offered width that `Wanted.accepts` is the one this engine's model produces."""
+        if offered is None:
+            if item.wanted.cols != ANY_WIDTH:
+                return True  # the producer answered OK for exactly the width asked
+        elif item.wanted.accepts(offered, self._embed_width):
+            item.wanted = item.wanted.with_cols(offered[1])
+            return True
+        self._refused_shape(peer, item.wanted, offered or (0, 0))
+        return False
 
     def _refused_shape(self, peer: PeerAddress, wanted: Wanted, offered: tuple[int, int]) -> None:
         """Say why an item a peer holds is not fetched from it for its shape."""
@@ -747,17 +758,11 @@ class Fetcher:
             if status == OK:
                 if task.done:
                     not_needed.append(key)
-                elif item.wanted.cols == ANY_WIDTH and (
-                    offered is None or not item.wanted.accepts(offered, self._embed_width)
-                ):
-                    item.answers[peer] = "shape"
-                    self._refused_shape(peer, item.wanted, offered or (0, 0))
-                    not_needed.append(key)
-                else:
-                    if item.wanted.cols == ANY_WIDTH and offered is not None:
-                        # Compatible producer (same fingerprint): its width is the item's.
-                        item.wanted = item.wanted.with_cols(offered[1])
+                elif self._takes(peer, item, offered):
                     to_read.append((task, item, spans, held[key]))
+                else:
+                    item.answers[peer] = "shape"
+                    not_needed.append(key)
             elif status == SAVING:
                 item.answers[peer] = "not_ready"
                 item.retry_at[peer] = self._clock() + SAVING_RETRY_S
