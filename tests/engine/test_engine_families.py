@@ -31,6 +31,7 @@ from ectools.engine import (
     connector_spec,
     family_passes,
     region_files,
+    remote_fallbacks,
     run_in_subprocess,
     serving,
 )
@@ -179,8 +180,7 @@ def _fetched_everything(result: dict[str, Any], name: str, how: str) -> None:
     assert result["passes"] == [_baseline(name)], "token-identical to an engine without it"
     assert result["encoded_items"] == 0, "every item came from the producer"
     assert totals["remote_hits"] == items
-    fallbacks = {k: v for k, v in totals.items() if k.startswith("remote_fallbacks:") and v}
-    assert fallbacks == {}
+    assert remote_fallbacks(result) == {}
     assert result["counters"]["loads_completed"] == items
     assert result["counters"]["held_entries"] == 0
 

@@ -27,6 +27,7 @@ from ectools.engine import (
     finish,
     launch,
     region_files,
+    remote_fallbacks,
     run_in_subprocess,
     serving,
 )
@@ -39,8 +40,6 @@ pytestmark = pytest.mark.engine
 SECRET = "engine-test-secret-42"
 ONE_PASS = [TEST_PASSES[0]]
 """The ten images once: what a consumer asks for."""
-PATIENT = PATIENT_PEERS
-_free_port = free_port
 
 
 def _spec(model_dir: str, region: Path, role: str, **peer: Any) -> EngineSpec:
@@ -61,18 +60,10 @@ def _consumer(
     return run_in_subprocess(spec)
 
 
-def _fallbacks(result: dict[str, Any]) -> dict[str, int]:
-    return {
-        name.split(":", 1)[1]: int(value)
-        for name, value in result["counters"]["totals"].items()
-        if name.startswith("remote_fallbacks:")
-    }
-
-
 @pytest.fixture(scope="module")
 def producer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An ec_both engine that saved the ten images and serves them on a port."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     region = tmp_path_factory.mktemp("producer-region")
     spec = _spec(model_dir, region, "ec_both", ec_peer_listen=address)
     with serving(spec) as (proc, printed):
@@ -86,13 +77,13 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
     """The consumer on both of vLLM's model runners (the producer on V1)."""
     assert producer["printed"]["passes"] == [baseline[0]]
     result = _consumer(
-        model_dir, tmp_path / "region", runner, ec_peers=[producer["address"]], **PATIENT
+        model_dir, tmp_path / "region", runner, ec_peers=[producer["address"]], **PATIENT_PEERS
     )
     assert result["runner"] == runner
     assert result["passes"] == [baseline[0]], "token-identical to an engine without the tier"
     assert result["encoded_items"] == 0, "every image came from the producer"
     totals = result["counters"]["totals"]
-    assert totals["remote_hits"] == 10 and _fallbacks(result) == {}
+    assert totals["remote_hits"] == 10 and remote_fallbacks(result) == {}
     assert totals["bytes_fetched"] == 10 * 8 * 512
     assert result["counters"]["loads_completed"] == 10
     assert result["counters"]["held_entries"] == 0
@@ -104,7 +95,7 @@ def _consumer_with_handles(
 ) -> dict[str, Any]:
     """Run an in-process consumer without ec_peers whose requests carry `handles`."""
     spec = replace(
-        _spec(model_dir, region, "ec_consumer", **PATIENT),
+        _spec(model_dir, region, "ec_consumer", **PATIENT_PEERS),
         multiprocess=False,
         ec_transfer_params={str(i): handle for i, handle in enumerate(handles)},
     )
@@ -133,7 +124,7 @@ def test_an_encode_only_producer_serves_through_handles(
     fetched. The encoder runs on V1 (vLLM 0.32's V2 runner cannot run an encode-only
     engine, and the connector refuses to start one there: `test_config_errors`), the
     consumer on `runner`."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     spec = replace(
         _spec(model_dir, tmp_path / "encoder", "ec_producer", ec_peer_listen=address),
         max_tokens=1,
@@ -146,7 +137,7 @@ def test_an_encode_only_producer_serves_through_handles(
     assert result["runner"] == runner
     assert result["passes"] == [baseline[0]]
     assert result["encoded_items"] == 0
-    assert result["counters"]["totals"]["remote_hits"] == 10 and _fallbacks(result) == {}
+    assert result["counters"]["totals"]["remote_hits"] == 10 and remote_fallbacks(result) == {}
 
 
 def test_the_bytes_really_cross_over_nixl(
@@ -159,7 +150,7 @@ def test_the_bytes_really_cross_over_nixl(
     try:
         assert corrupt_regions(producer["region"]) == 1
         result = _consumer(
-            model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT
+            model_dir, tmp_path / "region", ec_peers=[producer["address"]], **PATIENT_PEERS
         )
     finally:
         with open(path, "r+b") as region:
@@ -174,13 +165,14 @@ def test_a_producer_killed_before_or_during_the_fetches(
 ) -> None:
     """Every request completes correctly by encoding; the consumer keeps serving, holds
     nothing; the producer's file is reclaimed by the next engine in its directory."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     spec = _spec(model_dir, tmp_path / "producer", "ec_both", ec_peer_listen=address)
     with serving(spec):
         pass  # killed once it has saved the ten images
     before = _consumer(model_dir, tmp_path / "c1", ec_peers=[address])
     assert before["passes"] == [baseline[0]] and before["encoded_items"] == 10
-    assert set(_fallbacks(before)) <= {"unreachable"} and before["counters"]["held_entries"] == 0
+    assert set(remote_fallbacks(before)) <= {"unreachable"}
+    assert before["counters"]["held_entries"] == 0
 
     consumer = replace(
         _spec(model_dir, tmp_path / "c2", "ec_consumer", ec_peers=[address]),
@@ -210,11 +202,11 @@ def test_bad_peers_mean_a_local_encode_and_one_warning_each(
     address where nobody listens. The incompatible producer's answer is expected (missing
     the default 1 s deadline on a loaded machine, it would never be logged), so the lookup
     waits 30 s: slack for any load, while the two silent peers cost that deadline once
-    (then they are down) rather than PATIENT's 120 s."""
+    (then they are down) rather than PATIENT_PEERS' 120 s."""
     other = str(build_tiny_blip2(tmp_path / "other-model", TinyBlip2(text_hidden=64)))
-    incompatible = f"127.0.0.1:{_free_port()}"
-    stranger = f"127.0.0.1:{_free_port()}"
-    nobody = f"127.0.0.1:{_free_port()}"
+    incompatible = f"127.0.0.1:{free_port()}"
+    stranger = f"127.0.0.1:{free_port()}"
+    nobody = f"127.0.0.1:{free_port()}"
     a = _spec(other, tmp_path / "a", "ec_both", ec_peer_listen=incompatible)
     b = _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=stranger)
     b.extra["ec_peer_secret"] = "a-different-secret-7"
@@ -223,7 +215,7 @@ def test_bad_peers_mean_a_local_encode_and_one_warning_each(
             model_dir,
             tmp_path / "c",
             ec_peers=[incompatible, stranger, nobody],
-            **{**PATIENT, "ec_peer_lookup_timeout_s": 30.0},
+            **{**PATIENT_PEERS, "ec_peer_lookup_timeout_s": 30.0},
         )
     assert result["passes"] == [baseline[0]] and result["encoded_items"] == 10
     assert result["counters"]["totals"]["remote_hits"] == 0
@@ -237,7 +229,7 @@ def test_two_ec_both_engines_share_one_cache(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
     """A and B list each other: B's misses on what A has seen are fetched, not encoded."""
-    address_a, address_b = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    address_a, address_b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     a = _spec(model_dir, tmp_path / "a", "ec_both", ec_peer_listen=address_a, ec_peers=[address_b])
     b = replace(
         _spec(
@@ -246,7 +238,7 @@ def test_two_ec_both_engines_share_one_cache(
             "ec_both",
             ec_peer_listen=address_b,
             ec_peers=[address_a],
-            **PATIENT,
+            **PATIENT_PEERS,
         ),
         multiprocess=False,
     )

@@ -140,14 +140,18 @@ def _progress(event: str, **data: Any) -> None:
     print("PROGRESS " + json.dumps({"event": event, **data}), flush=True)
 
 
+def _in_process_core(llm: Any) -> Any:
+    """The engine core when it runs in this process (else None: a client of another)."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
 def _count_encoded_items(llm: Any, widths: set[int]) -> list[int] | None:
     """Wrap the model's encoder to count the items it encodes (in-process only),
     adding the width (last dimension) of each output to `widths`."""
-    try:
-        executor = llm.llm_engine.engine_core.engine_core.model_executor
-        model = executor.driver_worker.worker.model_runner.get_model()
-    except AttributeError:
+    core = _in_process_core(llm)
+    if core is None:
         return None
+    model = core.model_executor.driver_worker.worker.model_runner.get_model()
     count = [0]
     original = model.embed_multimodal
 
@@ -163,20 +167,16 @@ def _count_encoded_items(llm: Any, widths: set[int]) -> list[int] | None:
 
 def _encoder_cache_size(llm: Any) -> int | None:
     """The size of vLLM's own encoder cache, in embeddings (in-process only)."""
-    try:
-        manager = llm.llm_engine.engine_core.engine_core.scheduler.encoder_cache_manager
-    except AttributeError:
-        return None
-    size = getattr(manager, "cache_size", None)
-    return int(size) if size is not None else None
+    core = _in_process_core(llm)
+    return None if core is None else int(core.scheduler.encoder_cache_manager.cache_size)
 
 
 def _connector_scheduler(llm: Any) -> Any:
-    """The connector's scheduler half when the engine core is in-process, else None."""
-    try:
-        return llm.llm_engine.engine_core.engine_core.scheduler.ec_connector.scheduler
-    except AttributeError:
-        return None
+    """The connector's scheduler half when the engine core is in-process and has the
+    connector, else None."""
+    core = _in_process_core(llm)
+    connector = None if core is None else core.scheduler.ec_connector
+    return None if connector is None else connector.scheduler
 
 
 def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
@@ -331,6 +331,16 @@ def engine_env(runner: str | None = None) -> dict[str, str]:
     )
     env["HF_HUB_OFFLINE"] = "1"
     return runner_env(runner or default_runner(), env)
+
+
+def remote_fallbacks(result: dict[str, Any]) -> dict[str, int]:
+    """Per cause, the items an in-process consumer engine's `result` did not fetch from
+    a peer (only causes that happened are listed)."""
+    return {
+        name.split(":", 1)[1]: int(value)
+        for name, value in result["counters"]["totals"].items()
+        if name.startswith("remote_fallbacks:")
+    }
 
 
 def run_python(code: str, runner: str | None = None) -> subprocess.CompletedProcess[str]:
