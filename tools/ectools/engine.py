@@ -146,12 +146,14 @@ def _in_process_core(llm: Any) -> Any:
 
 
 def _count_encoded_items(llm: Any, widths: set[int]) -> list[int] | None:
-    """Wrap the model's encoder to count the items it encodes (in-process only),
-    adding the width (last dimension) of each output to `widths`."""
+    """Wrap the model's encoder to count the items it encodes (in-process, one-rank
+    executors only), adding the width (last dimension) of each output to `widths`."""
     core = _in_process_core(llm)
-    if core is None:
+    # A multi-rank executor runs the model in worker processes: nothing to wrap here.
+    driver = None if core is None else getattr(core.model_executor, "driver_worker", None)
+    if driver is None:
         return None
-    model = core.model_executor.driver_worker.worker.model_runner.get_model()
+    model = driver.worker.model_runner.get_model()
     count = [0]
     original = model.embed_multimodal
 
