@@ -16,8 +16,9 @@ from vllm.distributed.ec_transfer.ec_connector.cpu.scheduler.embedding_cache imp
     EmbeddingCache,
 )
 
+from ec_core.policy_names import DEFAULT_POLICY
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.scheduler_process.policy import DEFAULT_POLICY, make_policy
+from ec_core.scheduler_process.policy import make_policy
 
 
 class OursCache:

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 
-from ec_core.scheduler_process.policy import DEFAULT_POLICY
+from ec_core.policy_names import DEFAULT_POLICY
 
 from caches import InTreeCache, OursCache, count_runs
 from workloads import MAX_ROWS, MIN_ROWS

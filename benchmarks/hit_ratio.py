@@ -36,7 +36,7 @@ import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from ec_core.scheduler_process.policy import DEFAULT_POLICY
+from ec_core.policy_names import DEFAULT_POLICY
 
 from caches import InTreeCache, OursCache, count_runs
 from workloads import CAPACITIES, Trace, all_traces

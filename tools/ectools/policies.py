@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ec_core.scheduler_process.policy import LRUPolicy
+from ec_core.scheduler_process.policy_lru import LRUPolicy
 
 
 class WindowLRU(LRUPolicy):

@@ -8,7 +8,8 @@ import pytest
 
 from ec_core.scheduler_process.allocator import AllocatorError, BlockAllocator, Entry
 from ec_core.scheduler_process.extents import FreeExtents
-from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
+from ec_core.scheduler_process.policy import EvictionPolicy
+from ec_core.scheduler_process.policy_lru import LRUPolicy
 from ectools.policies import WindowLRU
 
 
@@ -368,7 +369,7 @@ def test_a_window_of_many_victims_costs_linear_work(monkeypatch: pytest.MonkeyPa
     list, seconds of scheduler time for a few thousand victims.
     """
     from ec_core.scheduler_process import allocator as allocator_module
-    from ec_core.scheduler_process.policy import S3LFUPolicy
+    from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
 
     comparisons = 0
 
@@ -402,7 +403,7 @@ def test_a_window_search_for_a_huge_entry_grows_one_window_not_one_per_seed() ->
     WINDOW_STEPS more steps, so the search costs about one window plus that bound
     (it was one full window per seed: 32 000 steps here, seconds for larger items)."""
     from ec_core.scheduler_process.allocator import WINDOW_STEPS
-    from ec_core.scheduler_process.policy import S3LFUPolicy
+    from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
 
     lookups = 0
 

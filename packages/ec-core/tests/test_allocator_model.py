@@ -17,7 +17,8 @@ from hypothesis.stateful import (
 )
 
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy, make_policy
+from ec_core.scheduler_process.policy import EvictionPolicy, make_policy
+from ec_core.scheduler_process.policy_lru import LRUPolicy
 from ectools.policies import WindowLRU
 
 POOL = 64

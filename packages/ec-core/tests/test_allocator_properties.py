@@ -24,12 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
-from ec_core.scheduler_process.policy import (
-    EvictionPolicy,
-    S3LFUPolicy,
-    WTinyLFUPolicy,
-    make_policy,
-)
+from ec_core.scheduler_process.policy import EvictionPolicy, make_policy
+from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
+from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
 
 POOL = 80
 

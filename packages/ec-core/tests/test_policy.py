@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from ec_core.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.scheduler_process.policy import (
-    DEFAULT_POLICY,
-    POLICIES,
-    LRUPolicy,
-    S3LFUPolicy,
-    WTinyLFUPolicy,
-    make_policy,
-)
+from ec_core.scheduler_process.policy import POLICIES, make_policy
+from ec_core.scheduler_process.policy_lru import LRUPolicy
+from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
+from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
 
 
 def _save(alloc: BlockAllocator, key: str, n: int, *, seen: int = 1) -> bool:
@@ -39,6 +39,24 @@ def test_make_policy_knows_every_configured_name() -> None:
     assert DEFAULT_POLICY == "wtinylfu"
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         make_policy("fifo")
+
+
+def test_the_light_policy_names_are_exactly_the_registry() -> None:
+    """`ec_core.policy_names` (what every process validates against) and the registry
+    (what the scheduler builds from) name the same policies."""
+    assert tuple(sorted(POLICIES)) == POLICY_NAMES
+    assert DEFAULT_POLICY in POLICIES
+
+
+def test_settings_import_no_policy_implementation() -> None:
+    """Every process imports `ec_core.settings`; only the scheduler process needs the
+    policies, so importing the settings imports nothing of `scheduler_process`."""
+    code = (
+        "import sys, ec_core.settings; "
+        "print([m for m in sorted(sys.modules) if m.startswith('ec_core.scheduler_process')])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 def test_s3lfu_probation_goes_first_and_a_hit_promotes() -> None:

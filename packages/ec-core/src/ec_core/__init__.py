@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ECCPUWorkerReport": "ec_core.metadata",
     "POLICIES": "ec_core.scheduler_process.policy",
     "EvictionPolicy": "ec_core.scheduler_process.policy",
-    "LRUPolicy": "ec_core.scheduler_process.policy",
+    "LRUPolicy": "ec_core.scheduler_process.policy_lru",
     "ECSharedRegion": "ec_core.region.mapping",
     "RegionError": "ec_core.region.files",
     "ECCPUSettings": "ec_core.settings",
@@ -71,7 +71,8 @@ if TYPE_CHECKING:
     from ec_core.region.files import RegionError
     from ec_core.region.mapping import ECSharedRegion
     from ec_core.scheduler_process.allocator import AllocatorError, BlockAllocator, Entry
-    from ec_core.scheduler_process.policy import POLICIES, EvictionPolicy, LRUPolicy
+    from ec_core.scheduler_process.policy import POLICIES, EvictionPolicy
+    from ec_core.scheduler_process.policy_lru import LRUPolicy
     from ec_core.settings import ECCPUSettings
     from ec_core.sizes import parse_byte_size
     from ec_core.worker_process.entries import ECCPULoadError

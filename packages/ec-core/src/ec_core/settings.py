@@ -16,12 +16,10 @@ from pathlib import Path
 from ec_core import peer_settings
 from ec_core._vllm import get_logger
 from ec_core.peer_settings import PeerSettings, parse_peer_settings
-from ec_core.scheduler_process.policy import DEFAULT_POLICY, POLICIES
+from ec_core.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from ec_core.sizes import SizeError, parse_byte_size
 
 logger = get_logger(__name__)
-
-POLICY_NAMES: tuple[str, ...] = tuple(sorted(POLICIES))
 
 KEY_CPU_BYTES = "ec_cpu_bytes"
 KEY_REGION_DIR = "ec_cpu_dir"

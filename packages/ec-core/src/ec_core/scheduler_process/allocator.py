@@ -28,7 +28,8 @@ from typing import Literal
 
 from ec_core.scheduler_process.block_ids import BlockIdPool
 from ec_core.scheduler_process.extents import FreeExtents, Run
-from ec_core.scheduler_process.policy import EvictionPolicy, LRUPolicy
+from ec_core.scheduler_process.policy import EvictionPolicy
+from ec_core.scheduler_process.policy_lru import LRUPolicy
 
 WINDOW_CANDIDATES = 32
 """How many of the policy's preferred victims are ranked for a window search."""

@@ -1,0 +1,139 @@
+"""What the `wtinylfu` policy remembers of keys without holding them (keys and sizes only).
+
+`Ghosts` are the keys that recently left (window sizing, the doorkeeper's
+refusals); `ShadowLRU` and `ShadowTinyLFU` are the two shadow caches its LRU
+guard compares (see `ec_core.scheduler_process.policy_wtinylfu`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ec_core.scheduler_process.frequency_sketch import FrequencySketch
+
+
+class ShadowLRU:
+    """A plain LRU of `capacity` blocks over keys and sizes only (no blocks).
+
+    Holds at most `capacity` blocks (so at most `capacity` keys of one block
+    or more; zero-block and larger-than-capacity items are never held).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.order: OrderedDict[str, int] = OrderedDict()
+        """Key -> blocks, least recent first; the policy serves hits from it directly."""
+
+    def keys(self) -> set[str]:
+        return set(self.order)
+
+    def insert(self, key: str, blocks: int) -> None:
+        """Save a missed item, evicting least recent first."""
+        if not 0 < blocks <= self.capacity:
+            return
+        order = self.order
+        order[key] = blocks
+        self.used += blocks
+        while self.used > self.capacity:
+            self.used -= order.popitem(last=False)[1]
+
+
+class ShadowTinyLFU:
+    """The frequency expert: W-TinyLFU over keys and sizes only (no blocks).
+
+    A window LRU of `window_fraction` of `capacity` blocks; its least recent
+    items duel (the policy's sketch, block-weighted) for a place in an LRU
+    main part holding the rest: against the main items it would push out,
+    least recent first, at most `max_victims` of them (as the policy's own
+    duel), so a duel costs O(max_victims) however small main's items are.
+    Holds at most `capacity` blocks.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        window_fraction: float,
+        sketch: FrequencySketch,
+        max_victims: int = 32,
+    ) -> None:
+        self.window_capacity = max(int(capacity * window_fraction), 1)
+        self.main_capacity = max(capacity - self.window_capacity, 0)
+        self.sketch = sketch
+        self.max_victims = max(max_victims, 1)
+        # Key -> blocks, least recent first; the policy serves hits from them directly.
+        self.window: OrderedDict[str, int] = OrderedDict()
+        self.main: OrderedDict[str, int] = OrderedDict()
+        self.window_used = 0
+        self.main_used = 0
+
+    def keys(self) -> set[str]:
+        return set(self.window) | set(self.main)
+
+    def insert(self, key: str, blocks: int) -> None:
+        """Save a missed item in the window; overflow duels for main."""
+        if not 0 < blocks <= self.main_capacity:
+            return
+        window = self.window
+        window[key] = blocks
+        self.window_used += blocks
+        while self.window_used > self.window_capacity:
+            candidate, size = window.popitem(last=False)
+            self.window_used -= size
+            self._offer(candidate, size)
+
+    def _offer(self, candidate: str, size: int) -> None:
+        main = self.main
+        excess = self.main_used + size - self.main_capacity
+        if excess > 0:
+            estimate = self.sketch.estimate
+            weighted = covered = 0
+            for seen, (victim, blocks) in enumerate(main.items(), 1):
+                weighted += estimate(victim) * blocks
+                covered += blocks
+                if covered >= excess or seen >= self.max_victims:
+                    break
+            if estimate(candidate) * covered <= weighted:
+                return  # lost the duel: dropped
+            while self.main_used + size > self.main_capacity:
+                self.main_used -= main.popitem(last=False)[1]
+        main[candidate] = size
+        self.main_used += size
+
+
+class Ghosts:
+    """Keys that recently left, with their sizes: at most `max_blocks` blocks
+    and `max_entries` keys (oldest forgotten first). O(1) per operation."""
+
+    def __init__(self, max_blocks: int, max_entries: int) -> None:
+        self.max_blocks = max_blocks
+        self.max_entries = max_entries
+        self.blocks = 0
+        self.sizes: OrderedDict[str, int] = OrderedDict()
+        """Key -> blocks, oldest first (read directly on the policy's hot path)."""
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def keys(self) -> set[str]:
+        return set(self.sizes)
+
+    def add(self, key: str, blocks: int) -> int:
+        """Remember `key`; how many older keys were forgotten to make room for it."""
+        sizes = self.sizes
+        self.blocks += blocks - sizes.pop(key, 0)
+        sizes[key] = blocks
+        forgotten = 0
+        while self.blocks > self.max_blocks or len(sizes) > self.max_entries:
+            self.blocks -= sizes.popitem(last=False)[1]
+            forgotten += 1
+        return forgotten
+
+    def pop(self, key: str) -> int | None:
+        blocks = self.sizes.pop(key, None)
+        if blocks is not None:
+            self.blocks -= blocks
+        return blocks
