@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ec_core.region import mapping as region_mod
+from ec_core.region import page_reserver
 from ec_core.region.mapping import ECSharedRegion
 from ec_core.sizes import format_bytes
 
@@ -125,8 +125,8 @@ def table(max_gib: int | None = None, budget_s: float = BUDGET_S) -> list[str]:
     lines = [
         f"Table 6 - start-up: time region creation blocks the caller, by region size, "
         f"CPU backend (no registration; {SHM}, {os.cpu_count()} CPUs; synchronous front "
-        f"{format_bytes(region_mod.SYNC_RESERVE_BYTES)}, chunks of "
-        f"{format_bytes(region_mod.CHUNK_BYTES)}; medians of {REPEATS} alternating runs "
+        f"{format_bytes(page_reserver.SYNC_RESERVE_BYTES)}, chunks of "
+        f"{format_bytes(page_reserver.CHUNK_BYTES)}; medians of {REPEATS} alternating runs "
         f"up to {REPEAT_MAX_GIB} GiB)",
         f"{'size':>7} {'plain fallocate':>16} {'before (sync)':>14} {'ours: blocks':>13} "
         f"{'ours: reserved+faulted':>23}",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ec_core.region import mapping as region_mod
+from ec_core.region import page_reserver
 from ec_core.region.files import (
     FILE_PREFIX,
     FILE_SUFFIX,
@@ -274,7 +275,7 @@ def test_a_directory_without_fallocate_that_cannot_hold_the_front_is_a_clear_err
             raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(region_mod.os, "posix_fallocate", unsupported)
-    monkeypatch.setattr(region_mod, "_populate_write", no_memory)
+    monkeypatch.setattr(page_reserver, "_populate_write", no_memory)
     with pytest.raises(ValueError, match=r"\['ec_cpu_bytes'\].*cannot hold"):
         ECSharedRegion("nomem", 4, BLOCK, directory=region_dir)
     assert _region_files(region_dir) == []
@@ -326,13 +327,13 @@ def test_a_failed_creation_is_undone_before_the_directory_lock_is_released(
 
 def test_madvise_success_uses_two_calls(region_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
-    real = region_mod._populate_write
+    real = page_reserver._populate_write
 
     def spy(mapping: object, start: int, length: int) -> None:
         calls.append((start, length))
         real(mapping, start, length)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(region_mod, "_populate_write", spy)
+    monkeypatch.setattr(page_reserver, "_populate_write", spy)
     with ECSharedRegion("madv", 4, BLOCK, directory=region_dir) as region:
         assert calls == [(0, region_mod.mmap.PAGESIZE), (0, region.file_bytes)]
         joiner = ECSharedRegion("madv", 4, BLOCK, directory=region_dir)
@@ -347,14 +348,14 @@ def test_madvise_einval_falls_back_to_touching_pages(
         raise OSError(errno.EINVAL, "Invalid argument")
 
     touched: list[object] = []
-    real_touch = region_mod._touch_pages
+    real_touch = page_reserver._touch_pages
 
     def spy_touch(mapping: object) -> None:
         touched.append(mapping)
         real_touch(mapping)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(region_mod, "_populate_write", unsupported)
-    monkeypatch.setattr(region_mod, "_touch_pages", spy_touch)
+    monkeypatch.setattr(page_reserver, "_populate_write", unsupported)
+    monkeypatch.setattr(page_reserver, "_touch_pages", spy_touch)
     with ECSharedRegion("fallback", 4, BLOCK, directory=region_dir) as region:
         assert len(touched) == 1
         region.blocks.fill_(3)
@@ -369,7 +370,7 @@ def test_touch_pages_preserves_bytes(region_dir: Path) -> None:
         pattern = torch.arange(64 * BLOCK, dtype=torch.int64).remainder(127).to(torch.int8)
         region.blocks.view(-1).copy_(pattern)
         assert region._mmap is not None
-        region_mod._touch_pages(region._mmap)
+        page_reserver._touch_pages(region._mmap)
         assert torch.equal(region.blocks.view(-1), pattern)
 
 
@@ -379,7 +380,7 @@ def test_unexpected_madvise_error_propagates_and_leaves_no_file(
     def eio(mapping: object, start: int, length: int) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(region_mod, "_populate_write", eio)
+    monkeypatch.setattr(page_reserver, "_populate_write", eio)
     with pytest.raises(OSError, match="I/O error"):
         ECSharedRegion("eio", 4, BLOCK, directory=region_dir)
     assert _region_files(region_dir) == []

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from ec_core.region import mapping as region_mod
+from ec_core.region import page_reserver
 from ec_core.region.files import HEADER_BYTES
 from ec_core.region.mapping import ECSharedRegion
 from ec_core.region.reservation import (
@@ -53,8 +54,8 @@ def region_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(region_mod, "SYNC_RESERVE_BYTES", SYNC)
-    monkeypatch.setattr(region_mod, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(page_reserver, "SYNC_RESERVE_BYTES", SYNC)
+    monkeypatch.setattr(page_reserver, "CHUNK_BYTES", CHUNK)
 
 
 class Gate:
@@ -173,7 +174,7 @@ def test_an_unexpected_error_in_the_background_stops_it_without_raising(
     def eio(address: int, length: int) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(region_mod, "_populate_write_address", eio)
+    monkeypatch.setattr(page_reserver, "_populate_write_address", eio)
     with ECSharedRegion(
         "eio", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
     ) as region:
@@ -193,7 +194,7 @@ class PrefaultGate:
         self.release = threading.Event()
         self.calls = 0
         self.base = 0  # the mapping's address (set by the test)
-        self._real: Callable[[int, int], None] = region_mod._populate_write_address
+        self._real: Callable[[int, int], None] = page_reserver._populate_write_address
 
     def __call__(self, address: int, length: int) -> None:
         self.calls += 1
@@ -206,7 +207,7 @@ class PrefaultGate:
 @pytest.fixture
 def prefault_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PrefaultGate]:
     the_gate = PrefaultGate(hold_at=SYNC + CHUNK)  # the second background chunk waits
-    monkeypatch.setattr(region_mod, "_populate_write_address", the_gate)
+    monkeypatch.setattr(page_reserver, "_populate_write_address", the_gate)
     yield the_gate
     the_gate.release.set()
 
@@ -275,7 +276,7 @@ def test_cleanup_hands_the_unmap_to_a_thread_that_does_not_stop_in_time(
     monkeypatch: pytest.MonkeyPatch,
     ec_log: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(region_mod, "STOP_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(page_reserver, "STOP_TIMEOUT_S", 0.0)
     region = ECSharedRegion("stuck", BLOCKS, BLOCK, directory=region_dir, background_reserve=True)
     prefault_gate.base = region.base_address - HEADER_BYTES
     assert prefault_gate.entered.wait(DEADLINE_S)
@@ -306,9 +307,9 @@ def test_the_thread_always_ends_the_reservation(
             raise OSError(errno.EIO, "I/O error")
         real_write(fd, reservation)
 
-    real_write = region_mod.write_record
-    monkeypatch.setattr(region_mod, "_populate_write_address", eio)
-    monkeypatch.setattr(region_mod, "write_record", no_record)
+    real_write = page_reserver.write_record
+    monkeypatch.setattr(page_reserver, "_populate_write_address", eio)
+    monkeypatch.setattr(page_reserver, "write_record", no_record)
     with ECSharedRegion(
         "ends", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
     ) as region:
@@ -344,15 +345,15 @@ def test_touching_pages_is_never_left_to_the_background(
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
     touched: list[tuple[int, int | None]] = []
-    real_touch = region_mod._touch_pages
+    real_touch = page_reserver._touch_pages
 
     def touch(mapping: mmap.mmap, start: int = 0, stop: int | None = None) -> None:
         touched.append((start, stop))
         real_touch(mapping, start, stop)
 
     monkeypatch.setattr(region_mod.os, "posix_fallocate", no_fallocate)
-    monkeypatch.setattr(region_mod, "_populate_write", unsupported)
-    monkeypatch.setattr(region_mod, "_touch_pages", touch)
+    monkeypatch.setattr(page_reserver, "_populate_write", unsupported)
+    monkeypatch.setattr(page_reserver, "_touch_pages", touch)
     with ECSharedRegion(
         "touch", BLOCKS, BLOCK, directory=region_dir, background_reserve=True
     ) as region:
@@ -440,10 +441,10 @@ def test_a_tmpfs_filled_during_the_reservation_never_causes_a_sigbus(small_tmpfs
     code = textwrap.dedent(
         f"""
         import os, threading
-        from ec_core.region import mapping as region_mod
+        from ec_core.region import page_reserver
         from ec_core.region.mapping import ECSharedRegion
-        region_mod.SYNC_RESERVE_BYTES = 2 * {MIB}
-        region_mod.CHUNK_BYTES = {MIB}
+        page_reserver.SYNC_RESERVE_BYTES = 2 * {MIB}
+        page_reserver.CHUNK_BYTES = {MIB}
         real, release = os.posix_fallocate, threading.Event()
         def gated(fd, offset, length):
             if offset >= 2 * {MIB}:

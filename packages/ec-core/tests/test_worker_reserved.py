@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
-from ec_core.region import mapping as region_mod
+from ec_core.region import page_reserver
 from ec_core.region.files import HEADER_BYTES
 from ec_core.worker_process.ranks import RankInfo
 from ec_core.worker_process.transfer import (
@@ -78,9 +78,9 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
             assert release.wait(DEADLINE_S), "the test never released the reservation"
         real(fd, offset, length)
 
-    monkeypatch.setattr(region_mod, "SYNC_RESERVE_BYTES", HEADER_BYTES + 2 * PAGE)
-    monkeypatch.setattr(region_mod, "CHUNK_BYTES", 4 * PAGE)
-    monkeypatch.setattr(region_mod.os, "posix_fallocate", gated)
+    monkeypatch.setattr(page_reserver, "SYNC_RESERVE_BYTES", HEADER_BYTES + 2 * PAGE)
+    monkeypatch.setattr(page_reserver, "CHUNK_BYTES", 4 * PAGE)
+    monkeypatch.setattr(page_reserver.os, "posix_fallocate", gated)
     yield release
     release.set()
 

@@ -14,7 +14,7 @@ import pytest
 from vllm.config import VllmConfig
 
 from ec_core.layout import open_region, region_layout
-from ec_core.region import mapping as region_mod
+from ec_core.region import page_reserver
 from ec_core.region.files import HEADER_BYTES
 from ec_core.settings import ECCPUSettings
 from ec_scheduler import ECCPUScheduler
@@ -38,8 +38,8 @@ DEADLINE_S = 60.0
 def follow(
     role_configs: dict[str, VllmConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> ECCPUScheduler:
-    monkeypatch.setattr(region_mod, "SYNC_RESERVE_BYTES", HEADER_BYTES + 16 * BLOCK)
-    monkeypatch.setattr(region_mod, "CHUNK_BYTES", 64 * BLOCK)
+    monkeypatch.setattr(page_reserver, "SYNC_RESERVE_BYTES", HEADER_BYTES + 16 * BLOCK)
+    monkeypatch.setattr(page_reserver, "CHUNK_BYTES", 64 * BLOCK)
     monkeypatch.setattr(scheduler_mod, "_RESERVATION_POLL_S", 0.0)
     config = role_configs["ec_both"]
     settings = ECCPUSettings.from_extra_config(
@@ -71,7 +71,7 @@ def test_blocks_arrive_as_the_reservation_advances(
             assert release.wait(DEADLINE_S)
         real(fd, offset, length)
 
-    monkeypatch.setattr(region_mod.os, "posix_fallocate", gated)
+    monkeypatch.setattr(page_reserver.os, "posix_fallocate", gated)
     region = open_region(follow.layout, background_reserve=True)
     try:
         follow.build_connector_meta(scheduler_output())  # a step starts: it looks
@@ -98,7 +98,7 @@ def test_a_reservation_stopped_early_leaves_a_working_smaller_cache(
         if offset > 0:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(region_mod.os, "posix_fallocate", full)
+    monkeypatch.setattr(page_reserver.os, "posix_fallocate", full)
     region = open_region(follow.layout, background_reserve=True)
     try:
         assert region.wait_reserved(DEADLINE_S) and region.reserved_blocks == 16

@@ -1,6 +1,6 @@
 """How far a region's pages are reserved, shared between processes through its header.
 
-The creator of a region (`ec_core.region.mapping`) reserves the block area
+The creator of a region (`ec_core.region.page_reserver`) reserves the block area
 from the front (with `background_reserve`, chunk by chunk in a background
 thread) and publishes after each chunk the *watermark*: how many blocks,
 counted from block 0, are backed by reserved pages.
