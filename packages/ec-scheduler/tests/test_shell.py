@@ -18,7 +18,6 @@ from ec_scheduler.shell.backends import Backend, BackendError
 from ec_scheduler.shell.connector import ECCPUTierConnector
 from ectools.configs import make_vllm_config
 
-TOOLS = str(Path(__file__).resolve().parents[3] / "tools")
 CPU = Backend("cpu", "ec_worker_cpu.worker:CpuECCPUWorker", "ec-worker-cpu", "CpuECCPUConnector")
 CUDA = Backend(
     "cuda", "ec_worker_cuda.worker:CudaECCPUWorker", "ec-worker-cuda", "CudaECCPUConnector"
@@ -160,13 +159,11 @@ def test_a_worker_class_that_is_not_an_eccpu_worker_is_refused(
 
 
 def _run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": TOOLS}
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         check=True,
         capture_output=True,
         text=True,
-        env=env,
     )
     return out.stdout.strip().splitlines()[-1]
 
