@@ -296,13 +296,13 @@ def test_the_early_check_follows_vllms_resolution_order(tiny_model_dir: str) -> 
 def test_the_early_check_is_installed_once() -> None:
     from vllm.config import VllmConfig
 
-    from ec_scheduler.shell import early_checks
+    from ec_scheduler.shell import vllm_patches
     from ec_scheduler.shell.plugin import register
 
     register()
     wrapped = VllmConfig.__post_init__
     assert getattr(wrapped, "_ec_cpu_tier_early_checks", False)
-    assert early_checks.install() is False
+    assert vllm_patches.install_config_checks() is False
     register()
     assert VllmConfig.__post_init__ is wrapped
 
