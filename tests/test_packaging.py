@@ -149,3 +149,18 @@ def test_package_installs_alone_into_a_fresh_venv(
         announced = {"ec-worker-cpu": ["cpu"], "ec-worker-cuda": ["cuda"]}
         announced["ec-worker-ascend"] = ["npu"]
         assert f"backends {announced.get(dist, [])}" in probe.stdout
+
+
+def test_the_test_tooling_package_is_private_and_no_product_depends_on_it() -> None:
+    """ec-testing (ectools) is installed in every dev environment and never published."""
+    import tomllib
+
+    testing = tomllib.loads((ROOT / "packages" / "ec-testing" / "pyproject.toml").read_text())
+    assert testing["project"]["name"] == "ec-testing"
+    assert "Private :: Do Not Upload" in testing["project"]["classifiers"]
+    assert set(PACKAGES) | {"ec-testing"} == {
+        p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml")
+    }
+    for dist in PACKAGES:
+        project = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())
+        assert not any(d.startswith("ec-testing") for d in project["project"]["dependencies"])

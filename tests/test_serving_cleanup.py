@@ -12,8 +12,6 @@ from pathlib import Path
 
 from ectools import serving
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
 
 def _gone(pid: int, within_s: float = 60.0) -> bool:
     """No such process, or only its zombie (its parent has not reaped it yet), within
@@ -63,10 +61,7 @@ finally:
 
 
 def test_a_terminated_caller_still_stops_its_servers() -> None:
-    env = {**os.environ, "PYTHONPATH": str(TOOLS)}
-    caller = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, env=env, text=True
-    )
+    caller = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
     assert caller.stdout is not None
     with caller.stdout:
         server = int(caller.stdout.readline())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ec_core import layout
-from ec_core.layout import create_ec_shared_region, region_layout
+from ec_core.layout import region_layout
+from ec_core.region.opening import create_ec_shared_region
 from ectools.configs import make_vllm_config
 
 WIDTH = 128  # the tiny BLIP-2's text hidden size

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from vllm.config import VllmConfig
 
-from ec_core.layout import open_region, region_layout
+from ec_core.layout import region_layout
 from ec_core.region import page_reserver
 from ec_core.region.files import HEADER_BYTES
+from ec_core.region.opening import open_region
 from ec_core.settings import ECCPUSettings
 from ec_scheduler import ECCPUScheduler
 from ec_scheduler import scheduler as scheduler_mod

@@ -18,7 +18,6 @@ from ec_scheduler.shell.backends import Backend, BackendError
 from ec_scheduler.shell.connector import ECCPUTierConnector
 from ectools.configs import make_vllm_config
 
-TOOLS = str(Path(__file__).resolve().parents[3] / "tools")
 CPU = Backend("cpu", "ec_worker_cpu.worker:CpuECCPUWorker", "ec-worker-cpu", "CpuECCPUConnector")
 CUDA = Backend(
     "cuda", "ec_worker_cuda.worker:CudaECCPUWorker", "ec-worker-cuda", "CudaECCPUConnector"
@@ -160,13 +159,11 @@ def test_a_worker_class_that_is_not_an_eccpu_worker_is_refused(
 
 
 def _run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": TOOLS}
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         check=True,
         capture_output=True,
         text=True,
-        env=env,
     )
     return out.stdout.strip().splitlines()[-1]
 
@@ -299,13 +296,13 @@ def test_the_early_check_follows_vllms_resolution_order(tiny_model_dir: str) -> 
 def test_the_early_check_is_installed_once() -> None:
     from vllm.config import VllmConfig
 
-    from ec_scheduler.shell import early_checks
+    from ec_scheduler.shell import vllm_patches
     from ec_scheduler.shell.plugin import register
 
     register()
     wrapped = VllmConfig.__post_init__
     assert getattr(wrapped, "_ec_cpu_tier_early_checks", False)
-    assert early_checks.install() is False
+    assert vllm_patches.install_config_checks() is False
     register()
     assert VllmConfig.__post_init__ is wrapped
 

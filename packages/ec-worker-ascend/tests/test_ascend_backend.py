@@ -380,5 +380,5 @@ def test_the_backend_announces_itself_for_npu(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_npu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:
-    out = run_fake_device_checks(Path(__file__).resolve().parents[1] / "npu_checks.py")
+    out = run_fake_device_checks("ectools.npu_checks")
     assert "Ascend backend NPU checks (FAKE runtime" in out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import runpy
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,7 +185,7 @@ def test_the_backend_announces_itself_for_cuda(monkeypatch: pytest.MonkeyPatch) 
     check_backend_announcement(monkeypatch, "ec_worker_cuda", "cuda")
 
 
-GPU_CHECKS = Path(__file__).resolve().parents[1] / "gpu_checks.py"
+GPU_CHECKS = "ectools.gpu_checks"
 
 
 def test_gpu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:
@@ -198,8 +197,9 @@ def test_gpu_checks_script_runs_its_whole_flow_on_the_fake_runtime() -> None:
 def test_gpu_checks_run_in_a_venv_with_torch_and_nothing_else(tmp_path: Path) -> None:
     """The GPU host has torch and no vLLM, numpy or network: the same command works there."""
     python = str(make_torch_only_venv(tmp_path / "venv"))
+    bare = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     probe = subprocess.run(
-        [python, "-c", PROBE], check=True, capture_output=True, text=True, cwd=tmp_path
+        [python, "-c", PROBE], check=True, capture_output=True, text=True, cwd=tmp_path, env=bare
     )
     assert probe.stdout.split() == ["torch", "no-vllm", "no-numpy", "no-transformers", "no-ec_core"]
     table = tmp_path / "out" / "gpu-checks.txt"
@@ -226,8 +226,8 @@ def test_gpu_checks_fail_when_a_copy_corrupts_bytes(
     """A check that cannot fail is no check: flip one byte in every batched copy."""
     from ectools import fake_device
     from ectools.device_checks import run_checks
+    from ectools.gpu_checks import CUDA
 
-    spec = runpy.run_path(str(GPU_CHECKS), run_name="gpu_checks")["CUDA"]
     honest = fake_device.FakeDeviceRuntime.batch_copy
 
     def corrupting(self: Any, batch: DescriptorBatch, direction: TransferDirection) -> object:
@@ -237,7 +237,7 @@ def test_gpu_checks_fail_when_a_copy_corrupts_bytes(
         return handle
 
     monkeypatch.setattr(fake_device.FakeDeviceRuntime, "batch_copy", corrupting)
-    assert run_checks(spec, ["--fake", "--quick"]) == 1
+    assert run_checks(CUDA, ["--fake", "--quick"]) == 1
     rows = table_rows(capsys.readouterr().out)
     assert rows["round trips bfloat16 contiguous [batched]"][0] == "MISMATCH"
     assert rows["round trips float32 scrambled [per-run]"][0] == "exact"

@@ -22,8 +22,8 @@ _EXPORTS: dict[str, str] = {
     "BlockAllocator": "ec_core.scheduler_process.allocator",
     "Entry": "ec_core.scheduler_process.allocator",
     "RegionLayout": "ec_core.layout",
-    "create_ec_shared_region": "ec_core.layout",
-    "open_region": "ec_core.layout",
+    "create_ec_shared_region": "ec_core.region.opening",
+    "open_region": "ec_core.region.opening",
     "region_layout": "ec_core.layout",
     "ECCPUConnectorMetadata": "ec_core.metadata",
     "ECCPUWorkerMetadata": "ec_core.metadata",
@@ -66,10 +66,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ec_core.layout import RegionLayout, create_ec_shared_region, open_region, region_layout
+    from ec_core.layout import RegionLayout, region_layout
     from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
     from ec_core.region.files import RegionError
     from ec_core.region.mapping import ECSharedRegion
+    from ec_core.region.opening import create_ec_shared_region, open_region
     from ec_core.scheduler_process.allocator import AllocatorError, BlockAllocator, Entry
     from ec_core.scheduler_process.policy import POLICIES, EvictionPolicy
     from ec_core.scheduler_process.policy_lru import LRUPolicy

@@ -1,7 +1,10 @@
 """How a vLLM config maps onto a region: identity, block size, block count.
 
-The scheduler needs only the geometry (it never maps the region); workers
-also open the region. Both derive it here from the same config, so they agree.
+Every process derives the geometry here from the same config, so they all
+agree. Opening (mapping) the region is `ec_core.region.opening`'s job: this
+module never imports the mapping, so a process that needs only the geometry
+(the scheduler) does not load it. `open_region` and `create_ec_shared_region`
+resolve to that module on first use.
 """
 
 from __future__ import annotations
@@ -12,12 +15,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ec_core.lazy import lazy_exports
 from ec_core.region.files import owner_digest, region_file_name
-from ec_core.region.mapping import ECSharedRegion
 from ec_core.settings import ECCPUSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from ec_core.region.opening import create_ec_shared_region, open_region
+
+__all__ = ["RegionLayout", "create_ec_shared_region", "open_region", "region_layout"]
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "create_ec_shared_region": "ec_core.region.opening",
+        "open_region": "ec_core.region.opening",
+    },
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,34 +109,6 @@ def region_layout(vllm_config: VllmConfig) -> RegionLayout:
         num_blocks=settings.cpu_bytes // block_size_bytes,
         settings=settings,
     )
-
-
-def open_region(layout: RegionLayout, *, background_reserve: bool = False) -> ECSharedRegion:
-    """Create or join the region `layout` describes.
-
-    `background_reserve` asks for the background reservation (see
-    `ECSharedRegion`); it is ignored, and every page reserved before this
-    returns, when cross-engine peers are configured, since NIXL registers
-    the whole region with the engine's agent.
-    """
-    return ECSharedRegion(
-        layout.engine_id,
-        layout.num_blocks,
-        layout.block_size_bytes,
-        directory=layout.settings.region_dir,
-        open_timeout_s=layout.settings.open_timeout_s,
-        owner=layout.owner,
-        background_reserve=background_reserve and layout.settings.peers is None,
-    )
-
-
-def create_ec_shared_region(vllm_config: VllmConfig) -> ECSharedRegion:
-    """Build the engine's shared region from `vllm_config` (the factory of vLLM's in-tree design).
-
-    Every process of one engine computes the same identity and geometry, so
-    the first caller creates the file and the others join it.
-    """
-    return open_region(region_layout(vllm_config))
 
 
 def _check_copiers_share_a_host(parallel: object) -> None:

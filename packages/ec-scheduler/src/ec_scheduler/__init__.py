@@ -3,7 +3,9 @@
 `ECCPUScheduler` decides, per engine step, which encoder outputs to save into
 the shared region and which entries to load back, applies the workers'
 reports and evicts by policy; every module at this level runs in the
-scheduler process only, never maps the region and never imports device code.
+scheduler process only, never maps the region and never imports device code
+(with cross-engine peers, the transport's source does map the region in this
+process: see `tests/test_import_contracts.py`).
 `shell/` holds `ECCPUTierConnector`, the connector vLLM instantiates in every
 process, the backend discovery and the plugin that registers its names.
 

@@ -17,10 +17,11 @@ import torch
 
 from ec_core import report_channel
 from ec_core._vllm import get_logger
-from ec_core.layout import RegionLayout, open_region, region_layout
+from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.region.mapping import ECSharedRegion
+from ec_core.region.opening import open_region
 from ec_core.report_channel import ReportSender
 from ec_core.worker_process.entries import PendingSave
 from ec_core.worker_process.inflight import InFlight

@@ -49,7 +49,7 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.sizes import format_bytes
 from ec_core.stats import ECCPUConnectorStats
 from ec_scheduler.scheduler import ECCPUScheduler
-from ec_scheduler.shell import backends, own_cache, weight_updates
+from ec_scheduler.shell import backends, own_cache, vllm_patches
 from ec_scheduler.shell.backends import CONNECTOR_NAME, Backend
 
 if TYPE_CHECKING:
@@ -86,8 +86,9 @@ class ECCPUTierConnector(ECConnectorBase):
         if role == ECConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
             self._log_startup(vllm_config, self._scheduler)
-            weight_updates.install()  # vLLM's encoder-cache reset reaches the region
-            own_cache.install()  # vLLM's encoder cache is seen (`see_vllm_encoder_cache`)
+            # vLLM's encoder-cache reset reaches the region (`reset_encoder_outputs`), and
+            # vLLM's encoder cache is seen (`see_vllm_encoder_cache`).
+            vllm_patches.install_scheduler_hooks()
         elif role == ECConnectorRole.WORKER:
             self._worker = self._make_worker(vllm_config)
         else:
@@ -215,7 +216,7 @@ class ECCPUTierConnector(ECConnectorBase):
         return self._scheduler.take_unavailable_requests()
 
     def see_vllm_encoder_cache(self, manager: Any) -> None:
-        """vLLM's encoder cache manager (called through `shell.own_cache` for each
+        """vLLM's encoder cache manager (called through `shell.vllm_patches` for each
         request vLLM takes): items it holds are not unavailable, with or without input."""
         scheduler = self._scheduler
         if scheduler is None or self._seen_cache is manager:
@@ -239,7 +240,7 @@ class ECCPUTierConnector(ECConnectorBase):
     def reset_encoder_outputs(self) -> None:
         """vLLM reset its encoder cache (the model's weights changed): the region's
         entries are forgotten too (`ECCPUScheduler.invalidate`; called through
-        `shell.weight_updates`, vLLM has no connector hook for it)."""
+        `shell.vllm_patches`, vLLM has no connector hook for it)."""
         if self._scheduler is not None:
             self._scheduler.invalidate()
 

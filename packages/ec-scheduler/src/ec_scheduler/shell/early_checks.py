@@ -5,10 +5,10 @@ engine's worker process, some 25 s into start-up, and the user sees vLLM's
 "Engine core initialization failed" while the clear `ValueError` sits in that
 worker's log. vLLM offers a connector no hook in the front-end process, so the
 general plugin (`shell.plugin`, which vLLM loads before it builds a config, in
-the `LLM` constructor and in the CLI parser alike) wraps `VllmConfig.__post_init__`:
-once vLLM's own checks pass, a config whose `ec_transfer_config` names this
-connector is checked as the engine would check it, and the same error is raised
-right there, to the caller.
+the `LLM` constructor and in the CLI parser alike) wraps `VllmConfig.__post_init__`
+(`shell.vllm_patches.CONFIG_CHECKS`): once vLLM's own checks pass, a config whose
+`ec_transfer_config` names this connector is checked here as the engine would
+check it, and the same error is raised right there, to the caller.
 
 Guarantees:
   * only configs that vLLM resolves to this connector (its name or a backend's
@@ -18,9 +18,7 @@ Guarantees:
   * what raises here is exactly what the engine would raise later: a
     `ValueError` from the settings parser (region size, policy, peers, ...) or
     the `BackendError` naming the package to install; any other surprise is
-    logged at debug level and left for the engine to report;
-  * installing the wrapper twice is a no-op, and a vLLM whose `VllmConfig` has
-    no `__post_init__` is left alone.
+    logged at debug level and left for the engine to report.
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from ec_scheduler.shell import backends
-from ec_scheduler.shell.wrapping import wrap_once
 
-_MARK = "_ec_cpu_tier_early_checks"
 _OUR_MODULES = ("ec_scheduler", "ec_worker_", "ec_transfer_")
 
 
@@ -77,16 +73,3 @@ def check(vllm_config: Any) -> None:
         from ec_core._vllm import get_logger
 
         get_logger(__name__).debug("EC CPU tier: early configuration check skipped: %r", exc)
-
-
-def install() -> bool:
-    """Wrap `VllmConfig.__post_init__` with `check`; True if this call installed it."""
-    try:
-        from vllm.config import VllmConfig
-    except ImportError:
-        return False
-
-    def after(config: Any) -> None:
-        check(config)  # looked up at each call, not bound at install: tests patch it
-
-    return wrap_once(VllmConfig, "__post_init__", _MARK, after)

@@ -3,7 +3,7 @@
 Declared once, by ec-scheduler (`vllm.general_plugins`). vLLM may load
 plugins several times per process and in every process; registering is
 therefore idempotent, uses strings only, and nothing of ours beyond
-`ec_scheduler.shell.backends` and `.early_checks` is imported until vLLM first
+`ec_scheduler.shell.backends`, `.vllm_patches` and `.early_checks` is imported until vLLM first
 resolves a name or builds a config that names the connector.
 """
 
@@ -14,10 +14,11 @@ from ec_scheduler.shell import backends
 
 def register() -> None:
     """Register `ECCPUTierConnector` and every installed backend's alias (all one class),
-    and check configurations naming it as soon as vLLM builds them (`shell.early_checks`)."""
-    from ec_scheduler.shell import early_checks
+    and check configurations naming it as soon as vLLM builds them (`shell.early_checks`,
+    through `shell.vllm_patches.install_config_checks`)."""
+    from ec_scheduler.shell import vllm_patches
 
-    early_checks.install()
+    vllm_patches.install_config_checks()
     try:
         aliases = [b.alias for b in backends.installed_backends().values() if b.alias]
     except backends.BackendError:  # conflicting backends: the connector says so when built

@@ -1,9 +1,12 @@
-"""Hardware checks for the Ascend backend (what they measure: tools/ectools/device_checks.py).
+"""Hardware checks for the Ascend backend (what they measure: `ectools.device_checks`).
 
-    python packages/ec-worker-ascend/npu_checks.py [--out FILE] [--quick] [--fake]
+    ec-npu-checks [--out FILE] [--quick] [--fake]     (or python -m ectools.npu_checks)
     hatch run ascend:npu-checks [--out FILE]
+    PYTHONPATH=packages/ec-testing/src python -m ectools.npu_checks    (bare host)
 
-Needs torch_npu with CANN and this repository; nothing is installed. Where vLLM
+Needs torch_npu with CANN and this repository; on a host where nothing of it is
+installed, run from the checkout root with this package's source on
+`PYTHONPATH`. Where vLLM
 is absent it supplies the same labelled stand-ins as the CUDA check; the
 `AscendECCPUWorker`, `NpuRuntime`, host registration, streams, events and the
 batched copy (vllm-ascend's op or `aclrtMemcpyBatchAsync`) stay real. The
@@ -16,16 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import torch
 
 from ectools.device_checks import ContiguousCopy, Device, prepare_imports, run_checks
-
-STANDINS = prepare_imports(Path(__file__).resolve().parents[2])
 
 
 def _npu() -> Any:
@@ -85,5 +83,11 @@ NPU = Device(
     contiguous_copy=_contiguous,
 )
 
+
+def main() -> int:
+    """Run the checks on this host's NPU (or `--fake`); the exit status."""
+    return run_checks(NPU, standins=prepare_imports())
+
+
 if __name__ == "__main__":
-    sys.exit(run_checks(NPU, standins=STANDINS))
+    sys.exit(main())

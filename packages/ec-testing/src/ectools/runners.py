@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+
+from ectools.checkout import ROOT
 
 RUNNERS = ("v1", "v2")
-STANDIN = Path(__file__).resolve().parents[1] / "triton_cpu_standin"
+STANDIN = ROOT / "tools" / "triton_cpu_standin"
 """The folder whose `.dist-info` registers the stand-in backend with Triton."""
 
 

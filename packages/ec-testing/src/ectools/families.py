@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ectools import model_build
+from ectools.checkout import ROOT
 from ectools.tiny_blip2 import build_tiny_blip2
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ectools.checkout import ROOT
 from ectools.families import BLIP2_PROMPT, family, random_image
 from ectools.runners import default_runner, runner_env, runner_of, use_runner
 
@@ -320,17 +321,14 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     return result
 
 
-ROOT = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 900
 
 
 def engine_env(runner: str | None = None) -> dict[str, str]:
-    """The environment for an engine subprocess: ectools importable, hub offline, and
-    vLLM's model runner `runner` (`ectools.runners`; None: the default one)."""
+    """The environment for an engine subprocess: this one's (where ectools is installed),
+    hub offline, and vLLM's model runner `runner` (`ectools.runners`; None: the default
+    one)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tools"), *filter(None, [env.get("PYTHONPATH")])]
-    )
     env["HF_HUB_OFFLINE"] = "1"
     return runner_env(runner or default_runner(), env)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+from ectools.checkout import ROOT
 
 
 def check_backend_announcement(
@@ -65,28 +68,34 @@ def modules_after_import(imports: Sequence[str], watch: Sequence[str]) -> list[s
 
 
 def run_fake_device_checks(
-    script: Path, *, python: str = sys.executable, out: Path | None = None
+    module: str, *, python: str = sys.executable, out: Path | None = None
 ) -> str:
-    """Run a backend's hardware-check script on the fake runtime; its stdout.
+    """Run a backend's hardware checks (`python -m module`) on the fake runtime; its stdout.
 
-    The script's whole flow (round trips of every dtype and block order
+    The checks' whole flow (round trips of every dtype and block order
     through both paths, throughput, overlap, the injected failure,
     registration, the table and its exit code) is thus exercised on a CPU
-    box; on a device host the same script runs for real. `python` may be
-    another interpreter (a torch-only venv); `out` is passed as `--out`.
+    box; on a device host the same command runs for real. `python` may be
+    another interpreter (a torch-only venv, where nothing of this repository
+    is installed): it then runs as on a bare device host, with only this
+    package's source on `PYTHONPATH`. `out` is passed as `--out`.
     """
     # No time budget: on a slow or loaded machine the registration rows checked
     # below would be skipped (the budget is for a device host's whole run).
-    command = [python, str(script), "--fake", "--quick", "--budget", "inf"]
+    command = [python, "-m", module, "--fake", "--quick", "--budget", "inf"]
     if out is not None:
         command += ["--out", str(out)]
+    env = dict(os.environ)
+    if python != sys.executable:
+        env["PYTHONPATH"] = str(ROOT / "packages" / "ec-testing" / "src")
     done = subprocess.run(
         command,
         check=False,
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(script).parent,
+        cwd=ROOT,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "OK: 0 failed check(s)" in done.stdout

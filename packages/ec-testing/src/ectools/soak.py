@@ -1,6 +1,6 @@
 """Randomised soak: one scheduler, four worker processes, one real region.
 
-    python tools/ectools/soak.py [--steps 100000]     (hatch run soak)
+    python -m ectools.soak [--steps 100000]     (hatch run soak)
 
 The main process drives a real `ECCPUScheduler` with random requests (a pool
 of 300 images of 1-40 rows, popular ones more often, now and then an image

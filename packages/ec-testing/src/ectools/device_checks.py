@@ -1,7 +1,7 @@
 """Hardware checks for a streamed backend: correctness, registration, throughput, overlap.
 
-The CUDA and Ascend packages each have a small script (`gpu_checks.py`,
-`npu_checks.py`) that describes its device and calls `run_checks`. One run:
+`ectools.gpu_checks` (CUDA) and `ectools.npu_checks` (Ascend) each describe
+their backend's device and call `run_checks`. One run:
 
 1. **Round trips**, byte-exact, through the backend's real worker (real
    region, registration, streams, events, batched copy): 16 to 16384 rows x
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ectools.checkout import ROOT
 from ectools.timing import medians_in_turns
 
 WIDTH = 4096
@@ -99,21 +100,20 @@ class Device:
     """Given a runtime: the one-memcpy reference and its name, or None if unavailable."""
 
 
-def prepare_imports(repo: Path) -> bool:
-    """Make this repository's packages importable and, without vLLM, install the stand-ins.
+def prepare_imports() -> bool:
+    """Make the product packages importable and, without vLLM, install the stand-ins.
 
     Call before importing a backend. Returns True when the stand-ins are in use.
-    The packages' `src` folders are put on `sys.path` only when `ec_core` is not
-    installed (a bare GPU host: nothing pip-installed from this repository).
+    Where `ec_core` is not installed (a device host with torch only, running the
+    checks with this package's source on `PYTHONPATH`), the product packages are
+    taken from this checkout's `packages/*/src`.
     """
     import importlib.util
 
-    tools = str(repo / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
     if importlib.util.find_spec("ec_core") is None:
-        for src in sorted((repo / "packages").glob("*/src")):
-            sys.path.insert(0, str(src))
+        for src in sorted((ROOT / "packages").glob("*/src")):
+            if str(src) not in sys.path:
+                sys.path.insert(0, str(src))
     from ectools import vllm_standins
 
     return vllm_standins.install()

@@ -1,10 +1,13 @@
-"""GPU checks for the CUDA backend (what they measure: tools/ectools/device_checks.py).
+"""GPU checks for the CUDA backend (what they measure: `ectools.device_checks`).
 
-    python packages/ec-worker-cuda/gpu_checks.py [--out FILE] [--quick] [--fake]
+    ec-gpu-checks [--out FILE] [--quick] [--fake]     (or python -m ectools.gpu_checks)
     hatch run cuda:gpu-checks [--out FILE]
+    PYTHONPATH=packages/ec-testing/src python -m ectools.gpu_checks    (torch-only host)
 
-Needs only torch (with CUDA) and this repository: nothing is installed, nothing
-is fetched. Where vLLM is absent it says so and supplies labelled stand-ins for
+Needs only torch (with CUDA) and this repository: on a host where nothing of it
+is installed, run from the checkout root with this package's source on
+`PYTHONPATH` (the product packages then come from the checkout); nothing is
+fetched. Where vLLM is absent it says so and supplies labelled stand-ins for
 the few vLLM names the worker imports; `CudaECCPUWorker`, `TorchCudaRuntime`,
 `cudaHostRegister`, streams, events and the batched copy stay real. The batched
 copy is vLLM's `swap_blocks_batch` where vLLM is installed, else the driver's
@@ -15,16 +18,11 @@ runtime; the table names which. Without a GPU it says so and exits 0.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import torch
 
 from ectools.device_checks import ContiguousCopy, Device, prepare_imports, run_checks
-
-STANDINS = prepare_imports(Path(__file__).resolve().parents[2])
 
 
 def _worker_class() -> type[Any]:
@@ -71,5 +69,11 @@ CUDA = Device(
     contiguous_copy=_contiguous,
 )
 
+
+def main() -> int:
+    """Run the checks on this host's GPU (or `--fake`); the exit status."""
+    return run_checks(CUDA, standins=prepare_imports())
+
+
 if __name__ == "__main__":
-    sys.exit(run_checks(CUDA, standins=STANDINS))
+    sys.exit(main())
