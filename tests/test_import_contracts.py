@@ -210,14 +210,6 @@ CONTRACTS = (
     Contract(
         "ec_core.settings (every process) loads nothing of ec_core.scheduler_process",
         loads(lambda g: ["ec_core.settings"], lambda t: matches(t, ["ec_core.scheduler_process"])),
-        (
-            Allowed(
-                "ec_core.settings",
-                "ec_core.scheduler_process.policy",
-                None,
-                "being fixed: settings takes the policy names from the policy module",
-            ),
-        ),
     ),
     Contract(
         "ec_core.layout loads nothing of ec_core.region.mapping",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import ec_scheduler.scheduler as scheduler_module
+import ec_scheduler.connections as connections_module
 from ec_core.region.reservation import RegionReservation
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
@@ -37,7 +37,7 @@ import gc
 import os
 import threading
 
-import ec_scheduler.scheduler as scheduler_module
+import ec_scheduler.connections as connections_module
 from ec_core.region.reservation import RegionReservation
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
@@ -61,7 +61,7 @@ def fails_with_the_transports_error(config):
     os._exit(1)
 
 
-scheduler_module.load_remote_source = failing
+connections_module.load_remote_source = failing
 config = make_vllm_config({model!r}, role="ec_producer", extra={extra!r}, widths={{"image": 128}})
 fails_with_the_transports_error(config)
 # Built again in the same process: the transport's error again, not "Address already
@@ -121,8 +121,8 @@ def test_a_failed_transport_closes_the_reservation_it_follows(
     def failing(*args: Any) -> Any:
         raise RuntimeError("the transport failed")
 
-    monkeypatch.setattr(scheduler_module, "RegionReservation", Reservation)
-    monkeypatch.setattr(scheduler_module, "load_remote_source", failing)
+    monkeypatch.setattr(connections_module, "RegionReservation", Reservation)
+    monkeypatch.setattr(connections_module, "load_remote_source", failing)
     extra = {
         "ec_cpu_bytes": "1MiB",
         "ec_cpu_dir": str(tmp_path),

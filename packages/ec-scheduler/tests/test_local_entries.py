@@ -19,8 +19,8 @@ def _local_entries(scheduler: ECCPUScheduler) -> LocalEntries:
     return LocalEntries(
         scheduler.allocator,
         scheduler.lock,
-        scheduler._release_pin,
-        scheduler._stale.__contains__,
+        scheduler._availability.release_pin,
+        scheduler._availability.stale.__contains__,
         lambda rows, cols: scheduler.layout.blocks_for(rows, cols, 4),
     )
 

@@ -371,8 +371,8 @@ def test_shutdown_lets_the_remote_sources_threads_give_their_leases_back(
     local = LocalEntries(
         scheduler.allocator,
         scheduler.lock,
-        scheduler._release_pin,
-        scheduler._stale.__contains__,
+        scheduler._availability.release_pin,
+        scheduler._availability.stale.__contains__,
         lambda rows, cols: scheduler.layout.blocks_for(rows, cols, 4),
     )
     assert local.lease(H, 8, WIDTH)[0] == "ready"  # a peer's lease: one pin
@@ -868,14 +868,14 @@ def test_an_items_row_count_honours_its_embedding_mask() -> None:
     import torch
     from vllm.multimodal.inputs import PlaceholderRange
 
-    from ec_scheduler.scheduler import _num_embeds
+    from ec_scheduler.availability import num_embeds
 
     plain = PlaceholderRange(offset=3, length=9)
     masked = PlaceholderRange(
         offset=3, length=5, is_embed=torch.tensor([False, True, False, True, True])
     )
-    assert _num_embeds(plain) == 9 and "embeds_cumsum" not in vars(plain)
-    assert _num_embeds(masked) == masked.get_num_embeds() == 3
+    assert num_embeds(plain) == 9 and "embeds_cumsum" not in vars(plain)
+    assert num_embeds(masked) == masked.get_num_embeds() == 3
 
 
 def test_invalidate_forgets_every_entry_and_those_in_use_once_their_copies_end(
@@ -893,7 +893,7 @@ def test_invalidate_forgets_every_entry_and_those_in_use_once_their_copies_end(
     assert "free" not in scheduler.allocator
     assert not any(scheduler.has_cache_item(key) for key in ("free", "loading", "saving"))
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(step.meta)))
-    assert len(scheduler.allocator) == 0 and not scheduler._stale
+    assert len(scheduler.allocator) == 0 and not scheduler._availability.stale
     assert scheduler.allocator.num_free_blocks == 64
     _save_and_report(scheduler, Item("free"), Item("saving"))  # encoded with the new weights
     assert scheduler.has_cache_item("free") and scheduler.has_cache_item("saving")

@@ -19,7 +19,7 @@ from ec_core.region.files import HEADER_BYTES
 from ec_core.region.opening import open_region
 from ec_core.settings import ECCPUSettings
 from ec_scheduler import ECCPUScheduler
-from ec_scheduler import scheduler as scheduler_mod
+from ec_scheduler import connections as connections_mod
 from ectools.driving import (
     Item,
     SimulatedRanks,
@@ -41,7 +41,7 @@ def follow(
 ) -> ECCPUScheduler:
     monkeypatch.setattr(page_reserver, "SYNC_RESERVE_BYTES", HEADER_BYTES + 16 * BLOCK)
     monkeypatch.setattr(page_reserver, "CHUNK_BYTES", 64 * BLOCK)
-    monkeypatch.setattr(scheduler_mod, "_RESERVATION_POLL_S", 0.0)
+    monkeypatch.setattr(connections_mod, "_RESERVATION_POLL_S", 0.0)
     config = role_configs["ec_both"]
     settings = ECCPUSettings.from_extra_config(
         {"ec_cpu_bytes": BLOCKS * BLOCK, "ec_cpu_dir": str(tmp_path)}, block_size_bytes=BLOCK
@@ -84,7 +84,7 @@ def test_blocks_arrive_as_the_reservation_advances(
         assert region.wait_reserved(DEADLINE_S) and region.reserved_blocks == BLOCKS
         follow.build_connector_meta(scheduler_output())
         assert follow.allocator.num_reserved_blocks == BLOCKS
-        assert follow._reservation is None, "a final watermark is not looked at again"
+        assert follow._connections.reservation is None, "a final watermark is not looked at again"
         assert _saved_blocks(follow, "k3") == list(range(16, 24))
         follow.allocator.check()
     finally:
@@ -105,7 +105,7 @@ def test_a_reservation_stopped_early_leaves_a_working_smaller_cache(
         assert region.wait_reserved(DEADLINE_S) and region.reserved_blocks == 16
         follow.build_connector_meta(scheduler_output())
         assert follow.allocator.num_reserved_blocks == 16
-        assert follow._reservation is None
+        assert follow._connections.reservation is None
         ranks = SimulatedRanks()
         for i in range(6):  # more than fits: saves evict and go on, nothing raises
             key = f"s{i}"

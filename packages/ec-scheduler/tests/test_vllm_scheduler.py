@@ -202,7 +202,7 @@ def test_a_load_for_a_request_preempted_in_the_same_step_is_not_left_untracked(
     assert worker.errors == []
     assert "X" not in worker.cache
     assert [e.key for e in half.allocator if not e.evictable] == []
-    assert not half.flights and not half._promised
+    assert not half.flights and not half._availability.promised
     assert half.counters.hits == half.counters.loads_dispatched == 0
 
 
@@ -268,7 +268,7 @@ def test_random_traffic_gathers_the_right_rows_and_holds_nothing_after(
     assert worker.errors == []
     assert half.counters.loads_dispatched > 0 and preempted > 0
     assert [e.key for e in half.allocator if not e.evictable] == []
-    assert not half.flights and not half._promised
+    assert not half.flights and not half._availability.promised
 
 
 def _async_drain(steps: AsyncSteps) -> None:
@@ -326,7 +326,7 @@ def test_async_scheduling_random_traffic_gathers_the_right_rows(
     assert half.counters.loads_dispatched > 0 and half.counters.stale_dropped > 0
     assert preempted > 0
     assert [e.key for e in half.allocator if not e.evictable] == []
-    assert not half.flights and not half._promised and not half._stale
+    assert not half.flights and not half._availability.promised and not half._availability.stale
 
 
 def test_vllms_encoder_cache_reset_forgets_the_region_too(

@@ -4,9 +4,16 @@ It owns every decision: which encoder outputs to save into the region, which
 entries to load back, when a copy has landed, and what to evict. It never maps
 the region (it needs only the geometry) and never imports device code.
 
-Runs in the scheduler process. vLLM's call order is drawn once, in
-`ec_scheduler.shell.connector`; what each call guarantees is on its method
-here, and what the workers' reports do is in `ec_scheduler.settlement`.
+Runs in the scheduler process. `ECCPUScheduler` is a facade over vLLM's
+connector hooks; the state behind them has one owner each:
+  * `ec_scheduler.availability`: promises, stale entries, items without input;
+  * `ec_scheduler.step_plan`: the copies of the step being scheduled;
+  * `ec_scheduler.saves`: which computed items are saved, into which blocks;
+  * `ec_scheduler.settlement`: the copies in flight and the workers' reports;
+  * `ec_scheduler.connections`: the reservation file, report side channel
+    and remote source (everything construction opens).
+vLLM's call order is drawn once, in `ec_scheduler.shell.connector`; what each
+call guarantees is on its method here.
 """
 
 from __future__ import annotations
@@ -18,41 +25,31 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from ec_core import report_channel
 from ec_core._vllm import get_logger
 from ec_core.layout import RegionLayout, region_layout
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
-from ec_core.region.reservation import RegionReservation
-from ec_core.report_channel import ReportReceiver
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.policy import make_policy
-from ec_core.sizes import format_bytes
 from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
+from ec_scheduler.availability import Availability
+from ec_scheduler.connections import Connections, log_configuration
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, ReportBound
 from ec_scheduler.inputs import ItemInputs
 from ec_scheduler.publishing import StatsPublisher, stat_totals
-from ec_scheduler.remote import (
-    ANY_WIDTH,
-    LocalEntries,
-    RemoteSource,
-    Wanted,
-    load_remote_source,
-)
+from ec_scheduler.remote import LocalEntries, RemoteSource
+from ec_scheduler.saves import Saves
 from ec_scheduler.settlement import Settlement
+from ec_scheduler.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
-
-_RESERVATION_POLL_S = 0.005
-"""How often a step looks at the region's reservation watermark while it moves."""
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -69,17 +66,6 @@ def _locked(
 
     functools.update_wrapper(wrapper, method)
     return wrapper
-
-
-def _holds_nothing(request: Request, index: int, num_computed_tokens: int) -> bool:
-    return False
-
-
-def _num_embeds(position: PlaceholderRange) -> int:
-    """`position.get_num_embeds()`, without building its cached cumulative sum when
-    every placeholder token is an embedding (`is_embed` None): the engine core's
-    request objects arrive without it, and this runs before vLLM computes it."""
-    return position.length if position.is_embed is None else position.get_num_embeds()
 
 
 class ECCPUScheduler:
@@ -100,6 +86,8 @@ class ECCPUScheduler:
         counted and warned about and no longer keeps the engine stepping;
       * per-step work is proportional to the step's items and landed copies,
         never to the region's blocks or the number of cached entries;
+      * a step's copies are planned in one `StepPlan`, handed to the workers
+        once and replaced by a fresh one: nothing planned leaks into a later step;
       * every public method runs under `lock`, which a remote source's threads
         take too (through `LocalEntries`).
     """
@@ -111,6 +99,14 @@ class ECCPUScheduler:
         *,
         follow_reservation: bool = False,
     ) -> None:
+        """Build the in-memory state, then open what the configuration asks for
+        (`Connections.open`; a failure there closes what it opened and raises).
+
+        With `follow_reservation` (what the connector shell passes) the allocator
+        hands out only blocks the region's creator has reserved so far
+        (`ec_core.region.reservation`); without it (tests and tools that run no
+        workers) the whole pool counts as reserved.
+        """
         ec_config = vllm_config.ec_transfer_config
         if ec_config is None:
             raise ValueError("ECCPUScheduler needs an ec_transfer_config")
@@ -127,115 +123,77 @@ class ECCPUScheduler:
             on_evict=self._on_evict,
             reserved=0 if follow_reservation else None,
         )
-        # With follow_reservation (what the connector shell passes) the allocator
-        # hands out only blocks the region's creator has reserved so far
-        # (`ec_core.region.reservation`); without it (tests and tools that run
-        # no workers) the whole pool counts as reserved.
-        self._reservation: RegionReservation | None = None
-        self._reservation_due = 0.0
-        if follow_reservation:
-            self._reservation = RegionReservation(
-                self.layout.path,
-                self.layout.num_blocks,
-                self.layout.block_size_bytes,
-                engine_id=self.layout.engine_id,
-                owner=self.layout.owner,
-            )
-            self._follow_reservation()
+        self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
+        self._availability = Availability(
+            self.allocator,
+            self.counters,
+            ItemInputs(vllm_config.model_config),
+            self._widths,
+            RateLimitedWarnings(logger).warn,
+        )
+        self._saves = Saves(
+            self.allocator,
+            self.counters,
+            self.layout,
+            self._widths,
+            counted_by_lookup=self.is_consumer,
+        )
         self.settlement = Settlement(
             self.allocator,
             self.counters,
             ReportBound(settings.report_timeout_steps, settings.report_timeout_s),
-            self._release_pin,
+            self._availability.release_pin,
         )
-
         # Only V2 calls the worker connector on steps without tokens; on V1 such
         # steps never reach the workers, so there is no point keeping the engine
         # stepping to collect reports (they come with the next real step).
         self._empty_steps_reach_workers = bool(getattr(vllm_config, "use_v2_model_runner", False))
         self._encode_only = self.is_producer and not self.is_consumer
-
-        self._pending_saves: dict[str, list[int]] = {}
-        self._pending_shapes: dict[str, tuple[int, int]] = {}
-        self._pending_loads: dict[str, tuple[int, list[int], tuple[int, int]]] = {}
-        self._pending_runs: dict[str, tuple[tuple[int, int], ...]] = {}
-        self._load_takers: dict[str, list[str]] = {}
-        """The requests each of this step's loads is for."""
-        self._promised: set[str] = set()
-        self._stale: set[str] = set()
-        self._unavailable: set[str] = set()
-        """Requests with an item no one can supply, until `take_unavailable_requests`."""
-        self._inputs = ItemInputs(vllm_config.model_config)
-        self.vllm_holds: Callable[[Request, int, int], bool] = _holds_nothing
-        """Whether vLLM's own encoder cache holds item `index` of a request when it
-        gets to it (`shell.own_cache.keeps`; the shell sets it)."""
+        self._plan = StepPlan()
         self._step = 0
         self._worker_step = 0
         self._next_tid = 0
-        self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
-        self._warn_now_and_then = RateLimitedWarnings(logger).warn
         self._shut_down = False
-        self._deferred = False
-        """A request was deferred since the last build_connector_meta (see there)."""
         self._worker_totals: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0.0)
         self._publisher = StatsPublisher(vllm_config.parallel_config.data_parallel_index)
         self.lock = threading.RLock()
-        self.remote: RemoteSource | None = None
-        self._side_reports: ReportReceiver | None = None
-        serves = settings.peers is not None and settings.peers.listen is not None
-        if settings.peers is not None:
-            try:
-                if report_channel.needed(vllm_config, listening=serves):
-                    self._side_reports = ReportReceiver(
-                        report_channel.endpoint(self.layout.path), settings.peers.secret.encode()
-                    )
-                local = LocalEntries(
-                    self.allocator,
-                    self.lock,
-                    self._release_pin,
-                    self._stale.__contains__,
-                    lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
-                    refresh=self._apply_side_reports,
-                )
-                self.remote = load_remote_source(vllm_config, self.layout, local)
-            except BaseException:
-                # A failed construction (the peer port in use, NIXL missing or failing)
-                # releases what it opened: left to the garbage collector, the side
-                # channel's ZMQ context may go before its socket, and its term() then
-                # waits for that socket for ever (the process hangs); until then the
-                # channel's address stays bound, and building again fails.
-                self._close_files()
-                raise
-
-        if not serves and report_channel.drops_reports(vllm_config):
-            logger.warning(
-                "EC CPU tier role ec_producer without ec_peer_listen: on vLLM's V1 model "
-                "runner an encode-only engine never reports its copies, so its entries "
-                "never become ready and serve no one. Set ec_peer_listen (and a secret) "
-                "to serve consumer engines, or use ec_both for a local CPU tier."
-            )
-        if self.is_consumer and not self.is_producer and settings.peers is None:
-            logger.warning(
-                "EC CPU tier role ec_consumer: this engine never saves, and its region "
-                "belongs to this engine alone, so nothing will ever be loaded. Use "
-                "ec_both for a local CPU tier, or ec_peers to fetch from producers."
-            )
-        logger.debug(
-            "EC CPU tier scheduler: role=%s, %d blocks x %d bytes (%s), policy=%s, "
-            "report bound=%d steps and %.1f s",
-            ec_config.ec_role,
-            self.layout.num_blocks,
-            self.layout.block_size_bytes,
-            format_bytes(self.layout.nbytes),
-            settings.policy,
-            settings.report_timeout_steps,
-            settings.report_timeout_s,
+        self._connections = Connections()
+        self._connections.open(
+            vllm_config,
+            self.layout,
+            self.allocator,
+            follow_reservation=follow_reservation,
+            local_entries=self._local_entries,
         )
+        self.remote: RemoteSource | None = self._connections.remote
+        log_configuration(vllm_config, self.layout)
+
+    def _local_entries(self) -> LocalEntries:
+        """This engine's entries as the remote source sees them."""
+        availability = self._availability
+        return LocalEntries(
+            self.allocator,
+            self.lock,
+            availability.release_pin,
+            availability.stale.__contains__,
+            lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
+            refresh=self._apply_side_reports,
+        )
+
+    @property
+    def vllm_holds(self) -> Callable[[Request, int, int], bool]:
+        """Whether vLLM's own encoder cache holds item `index` of a request when it
+        gets to it (`shell.own_cache.keeps`; the shell sets it)."""
+        return self._availability.vllm_holds
+
+    @vllm_holds.setter
+    def vllm_holds(self, holds: Callable[[Request, int, int], bool]) -> None:
+        self._availability.vllm_holds = holds
 
     # ------------------------------------------------------------ lookups
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True iff a ready entry exists on a consumer.
+        """True iff a ready entry exists on a consumer (`Availability.promise`).
 
         The entry is pinned on the spot (a *promise*): nothing allocated later in
         the step, a save of another item of the same request included, can evict
@@ -250,23 +208,7 @@ class ECCPUScheduler:
         # vLLM calls them once per item, and the wrapper's frame is a measurable
         # share of their cost.
         with self.lock:
-            if not self.is_consumer or identifier in self._stale:
-                # A stale entry holds another item under this UUID: even a load of it
-                # dispatched this step (for a request vLLM then preempted, dropping
-                # the item from its own cache and so from its row-count check) would
-                # serve the other item's rows.
-                return False
-            if identifier in self._promised or identifier in self._pending_loads:
-                return True
-            allocator = self.allocator
-            entry = allocator.get(identifier)
-            if entry is None or not entry.ready:
-                return False
-            # The promise: pinned now, so an allocation later in this step cannot
-            # evict it before update_state_after_alloc dispatches the load.
-            allocator.pin_entry(entry)
-            self._promised.add(identifier)
-            return True
+            return self.is_consumer and self._availability.promise(identifier, self._plan.loads)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
@@ -287,151 +229,13 @@ class ECCPUScheduler:
         with self.lock:
             if not self.is_consumer:
                 return True
-            if request.request_id in self._unavailable:
-                return False
-            if self.remote is None:
-                if self._retire_stale_of(request, num_computed_tokens):
-                    return True  # every item carries its input
-            elif not self._ask_remote(request, num_computed_tokens, self.remote):
-                return False
-            return self._all_supplied(request, num_computed_tokens)
-
-    def _all_supplied(self, request: Request, num_computed_tokens: int) -> bool:
-        """False, with the request marked unavailable, if one of its items still to be
-        encoded carries no input and nothing holds it (see `ensure_cache_available`).
-
-        An item with input (nearly every item) costs one test here: the rest only
-        runs for items without input."""
-        carries_input = self._inputs.carries_input
-        for index, feature in enumerate(request.mm_features):
-            if carries_input(feature):
-                continue
-            position = feature.mm_position
-            if position.offset + position.length <= num_computed_tokens:
-                continue  # already consumed by the model; will not be looked up
-            key = feature.identifier
-            entry = self.allocator.get(key)
-            if (
-                entry is not None
-                and entry.ready
-                and entry.shape is not None
-                and entry.shape[0] == _num_embeds(position)
-                and key not in self._stale
-            ):
-                if key not in self._promised:
-                    # Promised now, as `has_cache_item` would: between this check and
-                    # vLLM's lookup the fetcher thread may reserve blocks, evicting it,
-                    # and an item without input must not reach the encoder.
-                    self.allocator.pin_entry(entry)
-                    self._promised.add(key)
-                continue
-            if self.vllm_holds(request, index, num_computed_tokens):
-                continue
-            self._unavailable.add(request.request_id)
-            self._warn_now_and_then(
-                "unavailable",
-                "EC CPU tier: request %s has a %s item %s given without its input "
-                "(metadata only), and no engine holds its encoder output; the "
-                "request is failed (send its input, or retry once a producer has it)",
-                request.request_id,
-                feature.modality,
-                key,
-            )
-            return False
-        return True
+            return self._availability.ensure(request, num_computed_tokens, self.remote)
 
     def take_unavailable_requests(self) -> set[str]:
         """The requests found unavailable since the last call (each once); vLLM fails
         them with a retryable error."""
         with self.lock:
-            if not self._unavailable:
-                return set()
-            taken, self._unavailable = self._unavailable, set()
-            return taken
-
-    def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> bool:
-        """Without a remote source: retire the request's stale entries; whether every
-        item carries its input (else `_all_supplied` must look further; one loop for
-        both in the usual case)."""
-        entries = self.allocator.get
-        carries_input = self._inputs.carries_input
-        plain = self._inputs.plain
-        all_carry = True
-        for feature in request.mm_features:
-            # `carries_input`, with its usual answer inline: this runs for every item.
-            if all_carry and not (feature.modality in plain and feature.data):
-                all_carry = carries_input(feature)
-            entry = entries(feature.identifier)
-            if entry is None:
-                continue
-            position = feature.mm_position
-            if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
-                continue  # already consumed by the model; will not be looked up
-            self._holds(entry, _num_embeds(position), request.request_id)
-        return all_carry
-
-    def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
-        """With a remote source: retire stale entries and offer it what is missing."""
-        entries = self.allocator.get
-        missing: list[Wanted] = []
-        for feature in request.mm_features:
-            position = feature.mm_position
-            if position.offset + position.length <= num_computed_tokens:
-                continue  # already consumed by the model; will not be looked up
-            entry = entries(feature.identifier)
-            rows = _num_embeds(position)
-            if entry is not None and self._holds(entry, rows, request.request_id):
-                continue
-            if rows > 0:  # absent, or not ready yet: its save or fetch is under way
-                # In the width a save of it has (a producer's entries have their
-                # modality's measured width, wider than the embedding for DeepStack
-                # encoders). vLLM measures widths on producers only, so a pure
-                # consumer asks for any width and takes the peer's (`Wanted`).
-                cols = self._widths.get(feature.modality, ANY_WIDTH)
-                missing.append(Wanted(feature.identifier, rows, cols))
-        # Asked even with nothing missing: items being fetched for this request are
-        # reserved here (not ready), and the request waits until they land.
-        if remote.wants(request, missing):
-            self._deferred = True
-            return False
-        return True
-
-    def _holds(self, entry: Entry, rows: int, request_id: str) -> bool:
-        """True if `entry` is ready and holds exactly `rows` rows. A ready entry
-        with another row count is stale: it is retired here (once: an entry
-        already retired and still pinned is not counted again) and False returned."""
-        if not entry.ready or entry.shape is None:
-            return False
-        if entry.shape[0] == rows:
-            return True
-        if entry.key not in self._stale:
-            self._retire_stale(entry, rows, request_id)
-        return False
-
-    def _retire_stale(self, entry: Entry, rows: int, request_id: str) -> None:
-        self._warn_now_and_then(
-            "stale",
-            "EC CPU tier: entry %s holds %d rows but request %s needs %d for that "
-            "item (reused multimodal UUID?); dropping it and encoding again",
-            entry.key,
-            entry.shape[0] if entry.shape else -1,
-            request_id,
-            rows,
-        )
-        self.counters.stale_dropped += 1
-        if entry.key in self._promised:
-            # Promised to a request looked up earlier in this step that vLLM then
-            # passed over (it allocates a request's items before it looks at the
-            # next request): kept, the promise would answer this request's lookup
-            # and load the other rows for it.
-            self._promised.discard(entry.key)
-            self.allocator.unpin(entry.key)
-        if entry.evictable:
-            self.allocator.drop(entry.key)
-        else:
-            # Pinned by a load in flight: never promise it again, drop it when
-            # the last pin goes.
-            self._stale.add(entry.key)
+            return self._availability.take_unavailable()
 
     # --------------------------------------------------------- allocation
 
@@ -454,31 +258,31 @@ class ECCPUScheduler:
                 return
             feature = request.mm_features[index]
             key = feature.identifier
-            if key in self._pending_loads:
+            plan = self._plan
+            if key in plan.loads:
                 # the same item of another request in this step: one load serves both
-                self._load_takers.setdefault(key, []).append(request.request_id)
+                plan.takers.setdefault(key, []).append(request.request_id)
                 return
             if self.is_consumer:
                 counters = self.counters
                 counters.lookups += 1
                 self.allocator.policy.on_request(key)  # `note_request`
-                if key in self._promised:
+                if key in self._availability.promised:
                     counters.hits += 1
                     self._dispatch_load(key)
-                    self._load_takers[key] = [request.request_id]
+                    plan.takers[key] = [request.request_id]
                     return
             if self.is_producer and key not in self.allocator:
-                self._allocate_save(feature)
+                self._saves.allocate(feature, plan)
 
     def _dispatch_load(self, key: str) -> None:
         entry = self.allocator.get(key)
         assert entry is not None and entry.shape is not None, "a promised entry is pinned"
-        self._promised.discard(key)  # its pin now belongs to the load
+        self._availability.take_promise(key)
         tid = self._next_tid
         self._next_tid += 1
         shape = entry.shape
-        self._pending_loads[key] = (tid, self.allocator.block_ids(entry), shape)
-        self._pending_runs[key] = entry.runs
+        self._plan.add_load(key, tid, self.allocator.block_ids(entry), shape, entry.runs)
         counters = self.counters
         counters.loads_dispatched += 1
         counters.load_rows += shape[0]
@@ -489,63 +293,10 @@ class ECCPUScheduler:
         """The copies in flight (read-only use: tests and diagnostics)."""
         return self.settlement.flights
 
-    def _allocate_save(self, feature: MultiModalFeatureSpec) -> None:
-        key = feature.identifier
-        width = self._widths.get(feature.modality)
-        if width is None:
-            self.counters.saves_skipped_unmeasured += 1
-            self._warn_once(
-                f"unmeasured:{feature.modality}",
-                "EC CPU tier: no encoder output width was measured for modality %r "
-                "(measured: %s); its items are not saved",
-                feature.modality,
-                sorted(self._widths),
-            )
-            return
-        rows = _num_embeds(feature.mm_position)
-        if rows <= 0:
-            self.counters.saves_skipped_empty += 1
-            self._warn_once(
-                f"empty:{feature.modality}",
-                "EC CPU tier: a %s item with no embeddings is not saved",
-                feature.modality,
-            )
-            return
-        blocks = self.layout.blocks_for(rows, width, self._itemsize)
-        if blocks > self.layout.num_blocks:
-            self.counters.saves_skipped_oversize += 1
-            self._warn_once(
-                f"oversize:{feature.modality}",
-                "EC CPU tier: a %s item of %d x %d needs %d blocks but the region has "
-                "%d; such items are not saved (raise ec_cpu_bytes to keep them)",
-                feature.modality,
-                rows,
-                width,
-                blocks,
-                self.layout.num_blocks,
-            )
-            return
-        if not self.is_consumer:
-            self.allocator.note_request(key)  # a consumer counted it in update_state_after_alloc
-        entry = self.allocator.alloc(key, blocks, (rows, width))
-        if entry is None:
-            if self.allocator.last_refusal == "admission":
-                self.counters.saves_not_admitted += 1
-            else:
-                self.counters.saves_skipped_full += 1
-            return
-        self._pending_saves[key] = self.allocator.block_ids(entry)
-        self._pending_shapes[key] = (rows, width)
-        self._pending_runs[key] = entry.runs
-        counters = self.counters
-        counters.saves_dispatched += 1
-        counters.save_rows += rows
-        counters.save_bytes += rows * width * self._itemsize
-
     # ---------------------------------------------------------- step edge
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
-        """Hand this step's saves and loads to the workers and reset them.
+        """Hand this step's plan to the workers and start the next step's.
 
         The metadata carries the step's number and each save's shape; promises
         vLLM did not take up are released, and copies past the report bound are
@@ -559,72 +310,45 @@ class ECCPUScheduler:
         its fetches only every few milliseconds.
         """
         meta = self._build_connector_meta(scheduler_output)
-        if self._deferred and self.remote is not None:
-            self._deferred = False
+        availability = self._availability
+        if availability.deferred and self.remote is not None:
+            availability.deferred = False
             self.remote.step_done()
             time.sleep(0)  # let the remote source's threads take the GIL
         return meta
 
     @_locked
     def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECCPUConnectorMetadata:
-        if self._reservation is not None:
-            self._follow_reservation()
+        connections = self._connections
+        if connections.reservation is not None:
+            connections.follow_reservation(self.allocator)
         self._apply_side_reports()
         self._step += 1
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1
-        for key in self._promised:
-            self._release_pin(key)  # vLLM looked it up but did not schedule it
-        self._promised.clear()
-        if self._pending_loads and scheduler_output.free_encoder_mm_hashes:
-            self._withdraw_dropped_loads(scheduler_output)
-        self._load_takers = {}
-        meta = ECCPUConnectorMetadata(
-            saves=self._pending_saves,
-            loads=self._pending_loads,
-            step=self._step,
-            save_shapes=self._pending_shapes,
-            runs=self._pending_runs,
-        )
+        self._availability.release_promises()
+        plan, self._plan = self._plan, StepPlan()
+        if plan.loads and scheduler_output.free_encoder_mm_hashes:
+            self._withdraw_dropped_loads(plan, scheduler_output)
+        meta = plan.hand_over(self._step)
         self.settlement.start_step(meta, self._worker_step)
-        self._pending_saves = {}
-        self._pending_shapes = {}
-        self._pending_loads = {}
-        self._pending_runs = {}
         self.settlement.on_worker_step(self._worker_step)
         return meta
 
-    def _withdraw_dropped_loads(self, scheduler_output: SchedulerOutput) -> None:
-        """Take back the loads of this step whose item vLLM freed in the same step
-        and that no request scheduled in the step is for, as if vLLM had never
-        scheduled them.
-
-        Priority scheduling can preempt a request after its items were allocated
-        (its load dispatched), and a later allocation of the step can then evict
-        the item from vLLM's encoder cache. The workers drop the step's freed items
-        before they load: landed, the load would sit in their encoder cache
-        untracked (device memory vLLM never frees, unless a later request brings
-        the same item back). A load that a scheduled request takes is kept even if
-        its item is named (vLLM's encoder cache manager names only items it no
-        longer holds at the step's end; the encoder-decoder one names the items of
-        the step before, which a request of this step may load again).
-        """
-        scheduled = scheduler_output.num_scheduled_tokens
-        for key in scheduler_output.free_encoder_mm_hashes:
-            takers = self._load_takers.get(key)
-            if takers is None or key not in self._pending_loads:
-                continue
-            if any(request_id in scheduled for request_id in takers):
-                continue
-            _, _, shape = self._pending_loads.pop(key)
-            self._pending_runs.pop(key, None)
-            self._release_pin(key)
-            counters = self.counters
+    def _withdraw_dropped_loads(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:
+        """Take back the loads `StepPlan.withdraw_untaken` removes, as if vLLM had never
+        scheduled them: their pins and their counts."""
+        withdrawn = plan.withdraw_untaken(
+            scheduler_output.free_encoder_mm_hashes, scheduler_output.num_scheduled_tokens
+        )
+        counters = self.counters
+        for key, (rows, cols) in withdrawn:
+            self._availability.release_pin(key)
             counters.lookups -= 1
             counters.hits -= 1
             counters.loads_dispatched -= 1
-            counters.load_rows -= shape[0]
-            counters.load_bytes -= shape[0] * shape[1] * self._itemsize
+            counters.load_rows -= rows
+            counters.load_bytes -= rows * cols * self._itemsize
 
     def _reaches_workers(self, scheduler_output: SchedulerOutput) -> bool:
         return (
@@ -659,18 +383,9 @@ class ECCPUScheduler:
             if name in totals:  # the worker counters; anything else is not summed
                 totals[name] += value
         self.settlement.apply(report)
-        if self._stale:
-            self._drop_free_stale()
-
-    def _drop_free_stale(self) -> None:
-        """Drop the stale entries nothing holds any more (a save or fetch marked stale
-        by `invalidate` that has since landed), and forget stale keys that are gone."""
-        allocator = self.allocator
-        free = [key for key in self._stale if (e := allocator.get(key)) is None or e.evictable]
-        for key in free:
-            self._stale.discard(key)
-            if key in allocator:
-                allocator.drop(key)
+        availability = self._availability
+        if availability.stale:
+            availability.drop_free_stale()
 
     @_locked
     def invalidate(self) -> None:
@@ -682,40 +397,17 @@ class ECCPUScheduler:
         marked stale: from now on it is never loaded or served, and it is dropped
         as soon as nothing holds it (its last pin, or the report of its copy).
         """
-        if self._shut_down:
-            return
-        for key in self._promised:
-            self._release_pin(key)
-        self._promised.clear()
-        allocator = self.allocator
-        entries = list(allocator)
-        held = 0
-        for entry in entries:
-            if entry.evictable:
-                allocator.drop(entry.key)
-            else:
-                self._stale.add(entry.key)
-                held += 1
-        logger.info(
-            "EC CPU tier: vLLM reset its encoder cache (model weights changed): %d entries "
-            "dropped, %d more once their copies end",
-            len(entries) - held,
-            held,
-        )
+        if not self._shut_down:
+            self._availability.invalidate()
 
     @_locked
     def _apply_side_reports(self) -> None:
         """Apply the reports that came on the side channel (encode-only engines on V1,
         see `ec_core.report_channel`)."""
-        if self._side_reports is not None and not self._shut_down:
-            for report in self._side_reports.drain():
+        side_reports = self._connections.side_reports
+        if side_reports is not None and not self._shut_down:
+            for report in side_reports.drain():
                 self._apply(report)
-
-    def _release_pin(self, key: str) -> None:
-        entry = self.allocator.unpin(key)
-        if entry.pins == 0 and key in self._stale:
-            self._stale.discard(key)
-            self.allocator.drop(key)
 
     # ------------------------------------------------------- misc. hooks
 
@@ -754,18 +446,6 @@ class ECCPUScheduler:
         """
         return self._publisher.changes(self.stat_totals())
 
-    def _follow_reservation(self) -> None:
-        """Give the allocator the blocks reserved since the last look (at most every
-        `_RESERVATION_POLL_S`); stop looking once the watermark is final."""
-        reservation = self._reservation
-        now = time.monotonic()
-        if reservation is None or now < self._reservation_due:
-            return
-        self._reservation_due = now + _RESERVATION_POLL_S
-        self.allocator.extend_reserved(reservation.poll())
-        if reservation.final:
-            self._reservation = None
-
     def _on_evict(self, entry: Entry) -> None:
         self.counters.evictions += 1
         self.counters.evicted_blocks += entry.num_blocks
@@ -783,27 +463,9 @@ class ECCPUScheduler:
             # it, and would otherwise wait until the source gives up joining them.
             remote.shutdown()
         with self.lock:
-            self._clear_after_shutdown()
-
-    def _close_files(self) -> None:
-        """Close the side channel and the reservation's file (idempotent)."""
-        if self._side_reports is not None:
-            self._side_reports.close()
-            self._side_reports = None
-        if self._reservation is not None:
-            self._reservation.close()
-            self._reservation = None
-
-    def _clear_after_shutdown(self) -> None:
-        self._close_files()
-        self.is_producer = self.is_consumer = False
-        self._pending_saves = {}
-        self._pending_shapes = {}
-        self._pending_loads = {}
-        self._pending_runs = {}
-        self._load_takers = {}
-        self._promised.clear()
-        self._stale.clear()
-        self._unavailable.clear()
-        self.settlement.clear()
-        self.allocator.clear()
+            self._connections.close_files()
+            self.is_producer = self.is_consumer = False
+            self._plan = StepPlan()
+            self._availability.clear()
+            self.settlement.clear()
+            self.allocator.clear()
