@@ -1,8 +1,10 @@
 """ECCPUScheduler: the scheduler-process half of the EC CPU tier.
 
 It owns every decision: which encoder outputs to save into the region, which
-entries to load back, when a copy has landed, and what to evict. It never maps
-the region (it needs only the geometry) and never imports device code.
+entries to load back, when a copy has landed, and what to evict. It needs only
+the region's geometry and never imports device code; the one process-level
+exception (a NIXL source maps the region here to register it) is stated in
+`tests/test_import_contracts.py`.
 
 Runs in the scheduler process. `ECCPUScheduler` is a facade over vLLM's
 connector hooks; the state behind them has one owner each:
@@ -390,7 +392,7 @@ class ECCPUScheduler:
     @_locked
     def invalidate(self) -> None:
         """Forget every entry: they hold encoder outputs of the model's weights before
-        vLLM reset its encoder cache (a weight update; `shell.weight_updates`).
+        vLLM reset its encoder cache (a weight update; `shell.vllm_patches`).
 
         Ready, unpinned entries are dropped at once. An entry still in use (pinned
         by a load or a peer's lease, or not ready: a save or a fetch in flight) is

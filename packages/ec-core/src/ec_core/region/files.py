@@ -1,8 +1,8 @@
 """The region's files on disk: names, header, ownership, locks and the stale-file sweep.
 
-Used by every process: the scheduler derives the file's name from the config
-(it never maps it); worker processes create, verify and map it
-(`ec_core.region.mapping`).
+Used by every process: the scheduler derives the file's name from the config;
+worker processes create, verify and map it (`ec_core.region.mapping`), and so
+does the scheduler process of an engine whose NIXL source serves peers.
 
 Liveness protocol (how a live owner is told from a dead one):
 
