@@ -11,7 +11,8 @@ workloads are described in `workloads.py`; every trace is seeded.
 
 Besides printing, the run writes the results page of the docs site
 (`docs/benchmarks/results.md`, see `results_page.py`) with its date, machine
-and command; that page is never edited by hand.
+and command, and Table 1's plot beside it (`hit-ratio.svg`); neither is ever
+edited by hand.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +35,8 @@ import hit_ratio
 import scheduler_cost
 
 COMMAND = "hatch run bench-all"
+HIT_RATIO_FIGURE = "hit-ratio.svg"
+"""Table 1's plot, written next to the results page."""
 
 
 def main() -> None:
@@ -46,20 +50,43 @@ def main() -> None:
     versions = f"torch {torch.__version__}, vLLM {vllm.__version__}"
     load = results_page.load_average()
     print(f"EC CPU tier benchmarks, {date}: {machine}, {versions}")
+    rows: list[hit_ratio.Row] = []
+    parts: list[tuple[Callable[[], list[str]], str | None]] = [
+        (lambda: hit_ratio.table(rows=rows), HIT_RATIO_FIGURE),
+        (fragmentation.table, None),
+        (scheduler_cost.table, None),
+        (copy_throughput.table, None),
+        (startup.table, None),
+    ]
     tables = []
-    for part in (hit_ratio, fragmentation, scheduler_cost, copy_throughput, startup):
+    for part, figure in parts:
         began = time.perf_counter()
-        lines = part.table()
+        lines = part()
         seconds = time.perf_counter() - began
         print()
         print("\n".join(lines))
         print(f"({seconds:.0f} s)")
-        tables.append(results_page.Table(lines, seconds))
+        tables.append(results_page.Table(lines, seconds, figure))
     command = " ".join([COMMAND, *sys.argv[1:]])
     page = results_page.render(
         date=date, machine=machine, versions=versions, command=command, load=load, tables=tables
     )
-    print(f"\nwrote {results_page.write(page, args.page)}", file=sys.stderr)
+    figures = {HIT_RATIO_FIGURE: hit_ratio_chart(rows)}
+    print(f"\nwrote {results_page.write(page, args.page, figures)}", file=sys.stderr)
+
+
+def hit_ratio_chart(rows: list[hit_ratio.Row]) -> str:
+    """Table 1 as bars: each policy's byte hit ratio as a fraction of Belady's."""
+    return results_page.bar_chart_svg(
+        "Table 1 - byte hit ratio as a fraction of Belady's",
+        [f"{row.workload} {row.capacity:.0%}" for row in rows],
+        {
+            f"ours ({hit_ratio.DEFAULT_POLICY})": [row.ours for row in rows],
+            "in-tree": [row.in_tree for row in rows],
+            "plain LRU": [row.lru for row in rows],
+        },
+        y_max=1.0,
+    )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ come from the run that wrote it, and nobody edits it by hand.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results.md"
 """Where `hatch run bench-all` writes the page (the docs site reads it from there)."""
@@ -18,10 +20,69 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results.md
 
 @dataclass(frozen=True)
 class Table:
-    """One benchmark's output: its lines (the first is its title) and how long it ran."""
+    """One benchmark's output: its lines (the first is its title), how long it ran, and
+    optionally a figure drawn from it (a file name next to the page)."""
 
     lines: Sequence[str]
     seconds: float
+    figure: str | None = None
+
+
+SERIES_COLOURS = ("#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c", "#d62728")
+
+
+def bar_chart_svg(
+    title: str, categories: Sequence[str], series: Mapping[str, Sequence[float]], y_max: float
+) -> str:
+    """A grouped bar chart as a standalone SVG: one group per category, one bar per series.
+
+    Values above `y_max` (or not finite) are drawn at `y_max`; every series has one value
+    per category.
+    """
+    for name, values in series.items():
+        if len(values) != len(categories):
+            raise ValueError(f"series {name!r} has {len(values)} values for {len(categories)}")
+    bar, gap, left, top, height, bottom = 6, 6, 48, 40, 220, 110
+    group = bar * len(series) + gap
+    width = left + group * len(categories) + 20
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{top + height + bottom}" font-family="sans-serif" font-size="11">',
+        f'<text x="{left}" y="16" font-size="13">{escape(title)}</text>',
+    ]
+    for tick in range(5):
+        value = y_max * tick / 4
+        y = top + height - height * tick / 4
+        parts.append(
+            f'<line x1="{left}" x2="{width - 20}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>'
+        )
+    for index, category in enumerate(categories):
+        x0 = left + index * group + gap / 2
+        for number, values in enumerate(series.values()):
+            value = values[index]
+            shown = min(value, y_max) if math.isfinite(value) else y_max
+            bar_height = height * max(shown, 0.0) / y_max
+            parts.append(
+                f'<rect x="{x0 + number * bar:.1f}" y="{top + height - bar_height:.1f}" '
+                f'width="{bar}" height="{bar_height:.1f}" '
+                f'fill="{SERIES_COLOURS[number % len(SERIES_COLOURS)]}"/>'
+            )
+        label_x, label_y = x0 + bar * len(series) / 2, top + height + 8
+        parts.append(
+            f'<text x="{label_x:.1f}" y="{label_y}" text-anchor="end" '
+            f'transform="rotate(-60 {label_x:.1f} {label_y})">{escape(category)}</text>'
+        )
+    for number, name in enumerate(series):
+        x = left + number * 110
+        y = top + height + bottom - 10
+        colour = SERIES_COLOURS[number % len(SERIES_COLOURS)]
+        parts.append(
+            f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{x + 14}" y="{y}">{escape(name)}</text>'
+        )
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
 
 
 def machine() -> str:
@@ -64,11 +125,15 @@ def render(
     for table in tables:
         title, *body = table.lines or ["(no output)"]
         lines += ["", f"## {title}", "", "```", *body, "```", "", f"({table.seconds:.0f} s)"]
+        if table.figure is not None:
+            lines += ["", f"![{title}]({table.figure})"]
     return "\n".join(lines) + "\n"
 
 
-def write(text: str, path: Path = PAGE) -> Path:
-    """Write the page and return its path."""
+def write(text: str, path: Path = PAGE, figures: Mapping[str, str] | None = None) -> Path:
+    """Write the page, and each figure (file name -> SVG) next to it; return its path."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for name, svg in (figures or {}).items():
+        (path.parent / name).write_text(svg)
     path.write_text(text)
     return path

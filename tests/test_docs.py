@@ -7,6 +7,9 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from xml.etree import ElementTree
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +90,32 @@ def test_bench_all_writes_a_results_page_with_date_machine_command_and_tables(
     assert "**Command:** `hatch run bench-all`" in page
     assert "## Table 9 - fake\n\n```\ncol  value\n  a      1\n```\n\n(1 s)" in page
     assert "## Table 10 - also fake" in page
+
+
+def test_bench_all_draws_its_figures_beside_the_page(tmp_path: Path) -> None:
+    results_page = _load("benchmarks/results_page.py")
+    svg = results_page.bar_chart_svg(
+        "fake <table>",
+        ["zipf 5%", "loop 10%"],
+        {"ours": [0.5, float("inf")], "lru": [0.25, 0.0]},
+        y_max=1.0,
+    )
+    ElementTree.fromstring(svg)  # well-formed, names escaped
+    assert svg.count("<rect") == 4 + 2  # a bar per value, a legend swatch per series
+    assert "fake &lt;table&gt;" in svg
+    with pytest.raises(ValueError, match="2 values"):
+        results_page.bar_chart_svg("t", ["a", "b", "c"], {"x": [1.0, 2.0]}, y_max=1.0)
+    page = results_page.render(
+        date="d",
+        machine="m",
+        versions="v",
+        command="hatch run bench-all",
+        load="l",
+        tables=[results_page.Table(["Table 1 - fake", "x"], 1.0, "plot.svg")],
+    )
+    assert "![Table 1 - fake](plot.svg)" in page
+    path = results_page.write(page, tmp_path / "results.md", {"plot.svg": svg})
+    assert (path.parent / "plot.svg").read_text() == svg
 
 
 def test_the_committed_results_page_is_generated_or_says_it_is_not() -> None:
