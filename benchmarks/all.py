@@ -1,6 +1,6 @@
-"""All four benchmark tables in one run.
+"""All local benchmark tables in one run, printed and written to the docs site.
 
-    hatch run bench-all
+    hatch run bench-all [--page PATH]
 
 Table 1 byte hit ratio (ours, vLLM's in-tree cache, plain LRU, Belady) on
 Zipf, Zipf+scans and chat traces at 5/10/20 % of the working set; Table 2
@@ -8,17 +8,25 @@ descriptors per entry and allocation time after long churn; Table 3 scheduler
 cost per engine step; Table 4 CPU backend copy throughput vs memcpy; Table 6
 how long region creation blocks the engine's start against region size. The
 workloads are described in `workloads.py`; every trace is seeded.
+
+Besides printing, the run writes the results page of the docs site
+(`docs/benchmarks/results.md`, see `results_page.py`) with its date, machine
+and command, and Table 1's plot beside it (`hit-ratio.svg`); neither is ever
+edited by hand.
 """
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import vllm
 
+import results_page
 import startup
 
 import copy_throughput
@@ -26,19 +34,59 @@ import fragmentation
 import hit_ratio
 import scheduler_cost
 
+COMMAND = "hatch run bench-all"
+HIT_RATIO_FIGURE = "hit-ratio.svg"
+"""Table 1's plot, written next to the results page."""
+
 
 def main() -> None:
-    print(
-        f"EC CPU tier benchmarks, {time.strftime('%Y-%m-%d')}: {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"vLLM {vllm.__version__}"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--page", type=Path, default=results_page.PAGE, help="where to write the results page"
     )
-    for part in (hit_ratio, fragmentation, scheduler_cost, copy_throughput, startup):
+    args = parser.parse_args()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = results_page.machine()
+    versions = f"torch {torch.__version__}, vLLM {vllm.__version__}"
+    load = results_page.load_average()
+    print(f"EC CPU tier benchmarks, {date}: {machine}, {versions}")
+    rows: list[hit_ratio.Row] = []
+    parts: list[tuple[Callable[[], list[str]], str | None]] = [
+        (lambda: hit_ratio.table(rows=rows), HIT_RATIO_FIGURE),
+        (fragmentation.table, None),
+        (scheduler_cost.table, None),
+        (copy_throughput.table, None),
+        (startup.table, None),
+    ]
+    tables = []
+    for part, figure in parts:
         began = time.perf_counter()
-        lines = part.table()
+        lines = part()
+        seconds = time.perf_counter() - began
         print()
         print("\n".join(lines))
-        print(f"({time.perf_counter() - began:.0f} s)")
+        print(f"({seconds:.0f} s)")
+        tables.append(results_page.Table(lines, seconds, figure))
+    command = " ".join([COMMAND, *sys.argv[1:]])
+    page = results_page.render(
+        date=date, machine=machine, versions=versions, command=command, load=load, tables=tables
+    )
+    figures = {HIT_RATIO_FIGURE: hit_ratio_chart(rows)}
+    print(f"\nwrote {results_page.write(page, args.page, figures)}", file=sys.stderr)
+
+
+def hit_ratio_chart(rows: list[hit_ratio.Row]) -> str:
+    """Table 1 as bars: each policy's byte hit ratio as a fraction of Belady's."""
+    return results_page.bar_chart_svg(
+        "Table 1 - byte hit ratio as a fraction of Belady's",
+        [f"{row.workload} {row.capacity:.0%}" for row in rows],
+        {
+            f"ours ({hit_ratio.DEFAULT_POLICY})": [row.ours for row in rows],
+            "in-tree": [row.in_tree for row in rows],
+            "plain LRU": [row.lru for row in rows],
+        },
+        y_max=1.0,
+    )
 
 
 if __name__ == "__main__":

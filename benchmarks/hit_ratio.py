@@ -173,7 +173,19 @@ def _cell(result: Result, best: Result) -> str:
     return f"{result.hit_ratio:.3f} {ratio:.2f}x w/h {result.written_per_hit:4.2f}"
 
 
-def table(traces: list[Trace] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class Row:
+    """One row of Table 1 as fractions of Belady's hit ratio (for the results page's plot)."""
+
+    workload: str
+    capacity: float
+    ours: float
+    in_tree: float
+    lru: float
+
+
+def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> list[str]:
+    """The table's lines; with `rows`, each row is also appended there."""
     lines = [
         "Table 1 - byte hit ratio (rows served / rows requested); x = fraction of Belady; "
         "w/h = rows written per row served",
@@ -189,6 +201,16 @@ def table(traces: list[Trace] | None = None) -> list[str]:
             tree = run_in_tree(trace, capacity)
             lru = run_plain_lru(trace, capacity)
             oracle = run_oracle(trace, capacity)
+            if rows is not None:
+                rows.append(
+                    Row(
+                        trace.name,
+                        fraction,
+                        _ratio(ours.hit_ratio, best.hit_ratio),
+                        _ratio(tree.hit_ratio, best.hit_ratio),
+                        _ratio(lru.hit_ratio, best.hit_ratio),
+                    )
+                )
             lines.append(
                 f"{trace.name:<12} {fraction:>4.0%} {best.hit_ratio:>7.3f} | "
                 f"{_cell(ours, best)} {ours.runs_per_entry:>4.1f} | {_cell(tree, best)} | "

@@ -2,7 +2,7 @@
 
 For the CPU backend, which registers nothing: a backend that pins the whole
 mapping (CUDA, Ascend) or an engine with cross-engine peers (NIXL registers
-the region) reserves every page before it starts, i.e. the "before" column.
+the region) reserves every page before it starts, i.e. the "sync reserve" column.
 
 For each region size, in one run and in the same directory (a fresh folder
 under /dev/shm, removed afterwards), alternating, every figure timed from
@@ -10,10 +10,9 @@ before `open()` of the file:
 
 * plain fallocate  - open, `ftruncate` and `posix_fallocate` of a file of that
   size, nothing else (no pre-faulting, no header, no mapping);
-* before (sync)    - `ECSharedRegion(..., background_reserve=False)`: every page
-  reserved and pre-faulted before the constructor returns (what start-up did
-  before the background reservation, and still does where the region is
-  registered);
+* sync reserve     - `ECSharedRegion(..., background_reserve=False)`: every page
+  reserved and pre-faulted before the constructor returns (what start-up does
+  where the region is registered);
 * ours: blocks     - the time `ECSharedRegion(..., background_reserve=True)`
   blocks its caller (the engine's start): it reserves and pre-faults the first
   `SYNC_RESERVE_BYTES` and returns;
@@ -103,7 +102,7 @@ def _region(directory: Path, size: int, *, background: bool) -> tuple[float, flo
 
 
 def _measure(directory: Path, size: int, repeats: int) -> tuple[list[float], int, int]:
-    """Medians of (plain, before, ours blocked, ours reserved), and the last
+    """Medians of (plain, sync reserve, ours blocked, ours reserved), and the last
     background run's (reserved blocks, blocks)."""
     samples: list[list[float]] = [[], [], [], []]
     reserved, blocks = 0, 0
@@ -128,7 +127,7 @@ def table(max_gib: int | None = None, budget_s: float = BUDGET_S) -> list[str]:
         f"{format_bytes(page_reserver.SYNC_RESERVE_BYTES)}, chunks of "
         f"{format_bytes(page_reserver.CHUNK_BYTES)}; medians of {REPEATS} alternating runs "
         f"up to {REPEAT_MAX_GIB} GiB)",
-        f"{'size':>7} {'plain fallocate':>16} {'before (sync)':>14} {'ours: blocks':>13} "
+        f"{'size':>7} {'plain fallocate':>16} {'sync reserve':>14} {'ours: blocks':>13} "
         f"{'ours: reserved+faulted':>23}",
     ]
     try:
@@ -156,13 +155,13 @@ def table(max_gib: int | None = None, budget_s: float = BUDGET_S) -> list[str]:
                 )
                 continue
             began = time.perf_counter()
-            (plain, before, blocked, reserved_s), reserved, blocks = _measure(
+            (plain, sync, blocked, reserved_s), reserved, blocks = _measure(
                 directory, size, repeats
             )
             seconds_per_gib = (time.perf_counter() - began) / gib / repeats
             note = "" if reserved == blocks else f"  (stopped at {reserved} of {blocks} blocks)"
             lines.append(
-                f"{label:>7} {plain:>14.2f} s {before:>12.2f} s {blocked:>11.3f} s "
+                f"{label:>7} {plain:>14.2f} s {sync:>12.2f} s {blocked:>11.3f} s "
                 f"{reserved_s:>21.2f} s{note}"
             )
     finally:
@@ -170,8 +169,8 @@ def table(max_gib: int | None = None, budget_s: float = BUDGET_S) -> list[str]:
     lines.append(
         "ours: blocks = what the CPU backend's start waits for; ours: reserved+faulted = until "
         "the cache has its full size, pre-faulting included (it serves from the reserved front "
-        "meanwhile); before (sync) = what a registering backend (CUDA, Ascend, NIXL peers) "
-        "still waits for"
+        "meanwhile); sync reserve = what a registering backend (CUDA, Ascend, NIXL peers) "
+        "waits for"
     )
     return lines
 

@@ -60,8 +60,8 @@ def test_only_the_cpu_environment_runs_the_cpu_recipes() -> None:
 
 
 def test_the_tools_that_judge_the_code_and_hatch_are_pinned() -> None:
-    """A new ruff rule, format style or mypy check would fail unchanged code."""
-    tools = {"pytest", "hypothesis", "mypy", "ruff", "hatchling"}
+    """A new ruff rule, format style, mypy check or mkdocs warning would fail unchanged code."""
+    tools = {"pytest", "hypothesis", "mypy", "ruff", "hatchling", "mkdocs", "mkdocs-material"}
     envs = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"]
     for env, config in envs.items():
         for dependency in config.get("dependencies", []):

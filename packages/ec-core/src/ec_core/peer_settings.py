@@ -102,16 +102,40 @@ class PeerSettings:
     fetch's bytes are trusted.
     """
 
-    listen: PeerAddress | None
-    peers: tuple[PeerAddress, ...]
-    secret: str = field(repr=False)
-    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
-    lease_s: float = DEFAULT_LEASE_S
-    handle_lease_s: float = 0.0
-    """How long a producer pins the ready items of a request-level handle it hands
-    out, so a consumer can READ at once (0: handles carry no lease, the default);
-    never longer than `lease_s`."""
+    listen: PeerAddress | None = field(metadata={"key": KEY_LISTEN, "default": "unset"})
+    """`HOST:PORT` this engine serves its ready entries on (`ec_producer`, `ec_both`
+    only); an IPv6 address in brackets, `[fd00::5]:5710`. Data-parallel engine k
+    listens on `PORT + k`; a port past 65535 is refused. The port takes messages
+    from whoever reaches it before their signatures are checked: keep it on the
+    cluster's own network."""
+    peers: tuple[PeerAddress, ...] = field(metadata={"key": KEY_PEERS, "default": "unset"})
+    """`["HOST:PORT", ...]` asked on a local miss (`ec_consumer`, `ec_both` only);
+    IPv6 in brackets as for `ec_peer_listen`. A peer listed twice is refused; this
+    engine's own address is skipped, so every engine of a deployment may get the
+    same list."""
+    secret: str = field(repr=False, metadata={"key": KEY_SECRET, "default": f"`${SECRET_ENV}`"})
+    """Shared secret that signs every message: at least MIN_SECRET_CHARS (8)
+    characters of text that encodes as UTF-8 (hex or base64 of random bytes, say).
+    Required with any peer key; peers without it get no answer."""
+    lookup_timeout_s: float = field(
+        default=DEFAULT_LOOKUP_TIMEOUT_S, metadata={"key": KEY_LOOKUP_TIMEOUT}
+    )
+    """Seconds a lookup waits for answers before the item is encoded locally; at
+    most `ec_peer_fetch_timeout_s`."""
+    fetch_timeout_s: float = field(
+        default=DEFAULT_FETCH_TIMEOUT_S, metadata={"key": KEY_FETCH_TIMEOUT}
+    )
+    """Seconds a whole fetch (lookup and READ) may take before the item is encoded
+    locally."""
+    lease_s: float = field(default=DEFAULT_LEASE_S, metadata={"key": KEY_LEASE})
+    """Seconds a producer pins an entry it leased to a consumer, unless released
+    earlier; must exceed `ec_peer_fetch_timeout_s` by more than LEASE_MARGIN_S (1 s)."""
+    handle_lease_s: float = field(default=0.0, metadata={"key": KEY_HANDLE_LEASE})
+    """Seconds a producer pins the ready items of a request-level handle it hands
+    out, so a consumer can READ at once (0: handles carry no lease); never longer
+    than `ec_peer_lease_s`. Off by default: vLLM drops some handles (parallel
+    sampling, streamed responses, several prompts), and their entries then stay
+    pinned this long."""
 
 
 def parse_peer_settings(
