@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ec_core import peer_settings
@@ -72,12 +72,33 @@ class ECCPUSettings:
     steps alone (little time) never counts against a copy that is merely late.
     """
 
-    cpu_bytes: int
-    region_dir: Path = DEFAULT_REGION_DIR
-    open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
-    report_timeout_steps: int = DEFAULT_REPORT_TIMEOUT_STEPS
-    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
-    policy: str = DEFAULT_POLICY
+    cpu_bytes: int = field(metadata={"key": KEY_CPU_BYTES})
+    """Size of the region: an int, `8e9`, `"512MiB"`, `"8GiB"` (binary, 1024-based)
+    or `"8GB"` (decimal, 1000-based), at most 4 EiB and at least one block (one
+    embedding row of the model). It is host memory, on top of what vLLM reserves."""
+    region_dir: Path = field(default=DEFAULT_REGION_DIR, metadata={"key": KEY_REGION_DIR})
+    """Directory of the region file: an existing directory this user can read and
+    write. A tmpfs (the default) keeps the region in memory; one without a size
+    limit (ramfs, `size=0`) is held against the host's memory."""
+    open_timeout_s: float = field(
+        default=DEFAULT_OPEN_TIMEOUT_S, metadata={"key": KEY_OPEN_TIMEOUT}
+    )
+    """Seconds to wait while another process creates a region in the same directory."""
+    report_timeout_steps: int = field(
+        default=DEFAULT_REPORT_TIMEOUT_STEPS, metadata={"key": KEY_REPORT_TIMEOUT_STEPS}
+    )
+    """Worker steps after which a copy whose report has not arrived is reclaimed as
+    lost (together with `ec_report_timeout_s`; 0 switches this bound off)."""
+    report_timeout_s: float = field(
+        default=DEFAULT_REPORT_TIMEOUT_S, metadata={"key": KEY_REPORT_TIMEOUT_S}
+    )
+    """Seconds after which a copy whose report has not arrived is reclaimed as lost
+    (together with `ec_report_timeout_steps`; 0 switches this bound off, not both)."""
+    policy: str = field(default=DEFAULT_POLICY, metadata={"key": KEY_POLICY})
+    """Eviction and admission policy: `wtinylfu` (adaptive W-TinyLFU: an LRU window
+    in front of a frequency-filtered segmented LRU, with a recency mode while a
+    shadow LRU would serve more and a doorkeeper for one-offs), `s3lfu` (adaptive
+    admission, probation and LFU) or `lru`."""
     peers: PeerSettings | None = None
 
     @classmethod
