@@ -311,6 +311,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                             consumer.remote.fingerprint,  # type: ignore[union-attr]
                             [(key, rows, WIDTH)],
                             known_agent=agent_name,
+                            claims=[],
                         ),
                         secret,
                     )
@@ -332,7 +333,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                 for sock, frame in replies.items():
                     reply = open_frame(frame, secret)
                     assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
-                    release = Release(0, time.time(), reply.lease, [key])
+                    release = Release(0, time.time(), [(reply.leases[0], [key])], read=False)
                     sock.send(seal(release, secret))
             client_cpu = time.thread_time() - client_cpu
             client_io = _zmq_io_cpu() - client_io

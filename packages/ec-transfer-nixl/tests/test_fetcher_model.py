@@ -291,7 +291,7 @@ class FetchMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 9)) == 0:
             reply = self._reply(lookup, status="incompatible", results=[])
             event("incompatible")
-        elif lookup.claim:
+        elif lookup.claims:
             reply = self._answer_claim(peer, lookup, data)
         else:
             results = []
@@ -302,7 +302,7 @@ class FetchMachine(RuleBasedStateMachine):
             reply = self._reply(lookup, status=OK, results=results)
             leased = {k for k, s, _ in results if s == OK}
             if leased:
-                self.leased[(peer, reply.lease)] = leased
+                self.leased[(peer, _lease_of(reply))] = leased
         if reply.status == OK:
             self.vouched.update((key, spans[0][0]) for key, status, spans in reply.results if spans)
         self.fetcher._apply(self.fetcher._links[peer], reply)
@@ -387,7 +387,7 @@ class FetchMachine(RuleBasedStateMachine):
             for peer, sock in self.sockets.items()
             for message in sock.sent
             if isinstance(message, Release)
-            for lease, keys in [(message.lease, message.keys), *message.more]
+            for lease, keys in message.leases
             for key in keys
         }
         granted = {
@@ -412,28 +412,20 @@ class FetchMachine(RuleBasedStateMachine):
 
     def _answer_claim(self, peer: PeerAddress, lookup: Lookup, data: st.DataObject) -> Reply:
         """A producer's answer to a claim: each lease named confirmed, lapsed, or
-        confirmed with other spans; or the answer of a producer that reads no
-        per-item leases (it claims `claim` for every item)."""
-        old_producer = data.draw(st.integers(0, 3)) == 0
+        confirmed with other spans."""
         answers = {
             lease: data.draw(st.sampled_from(["confirm", "confirm", "lapsed", "moved"]))
-            for lease in dict.fromkeys(lookup.claims or [lookup.claim])
+            for lease in dict.fromkeys(lookup.claims)
         }
-        event("claim by an old producer" if old_producer else f"claim of {len(answers)} leases")
+        event(f"claim of {len(answers)} leases")
         for answer in answers.values():
             event(f"claimed lease {answer}")
-        return self.claim_answer(peer, lookup, answers, old_producer=old_producer)
+        return self.claim_answer(peer, lookup, answers)
 
-    def claim_answer(
-        self, peer: PeerAddress, lookup: Lookup, answers: dict[int, str], *, old_producer: bool
-    ) -> Reply:
+    def claim_answer(self, peer: PeerAddress, lookup: Lookup, answers: dict[int, str]) -> Reply:
         """The answer to `lookup` (a claim) with, per lease, "confirm", "lapsed" or
-        "moved" (other spans; a lease not named: lapsed); with `old_producer`, as a
-        producer that reads only `claim` would answer."""
-        if old_producer or not lookup.claims:
-            under = [lookup.claim] * len(lookup.items)
-        else:
-            under = lookup.claims
+        "moved" (other spans; a lease not named: lapsed)."""
+        under = lookup.claims
         results: list[Any] = []
         leases: list[int] = []
         for (key, _, _), lease in zip(lookup.items, under, strict=True):
@@ -453,23 +445,30 @@ class FetchMachine(RuleBasedStateMachine):
             status=OK,
             agent="producer",
             agent_metadata=b"" if lookup.known_agent == "producer" else b"md",
-            lease=lookup.claim if lookup.claim in leases else 0,
             lease_s=LEASE_S,
             results=results,
-            leases=[] if old_producer else leases,
+            leases=leases,
+            shapes=[],
         )
 
     def _reply(self, lookup: Lookup, *, status: str, results: list[Any]) -> Reply:
+        lease = next(self.lease_ids) if results else 0
         return Reply(
             nonce=lookup.nonce,
             sent_at=_now[0],
             status=status,
             agent="producer",
             agent_metadata=b"md",
-            lease=next(self.lease_ids) if results else 0,
             lease_s=LEASE_S,
             results=results,
+            leases=[lease if s == OK else 0 for _, s, _ in results],
+            shapes=[],
         )
+
+
+def _lease_of(reply: Reply) -> int:
+    """The lease a lookup's Reply grants (0: none)."""
+    return next((lease for lease in reply.leases if lease), 0)
 
 
 TestFetchProtocol = FetchMachine.TestCase
@@ -508,7 +507,8 @@ def test_a_steps_requests_share_one_lookup_and_one_read_per_peer() -> None:
     assert all(task.done for task in tasks)
     assert machine.fetcher.counters.remote_hits == 3
     (release,) = [m for m in machine.sockets[peer].sent if isinstance(m, Release)]
-    assert release.read and sorted(release.keys) == list(KEYS[:3])
+    ((_, keys),) = release.leases
+    assert release.read and sorted(keys) == list(KEYS[:3])
 
 
 # ------------------------------------------------------ batched handle claims
@@ -541,12 +541,9 @@ def _one_step_of_handles(machine: FetchMachine, leases: dict[str, int]) -> list[
     return tasks
 
 
-def _claim_reply(
-    machine: FetchMachine, lookup: Lookup, answers: dict[int, str], *, per_item: bool = True
-) -> Reply:
-    """The first peer's answer to `lookup`: per lease "confirm", "lapsed" or "moved";
-    without `per_item`, as a producer that reads only `claim` would answer."""
-    return machine.claim_answer(PEERS[0], lookup, answers, old_producer=not per_item)
+def _claim_reply(machine: FetchMachine, lookup: Lookup, answers: dict[int, str]) -> Reply:
+    """The first peer's answer to `lookup`: per lease "confirm", "lapsed" or "moved"."""
+    return machine.claim_answer(PEERS[0], lookup, answers)
 
 
 def _released(machine: FetchMachine) -> dict[int, list[str]]:
@@ -554,7 +551,7 @@ def _released(machine: FetchMachine) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for message in machine.sockets[PEERS[0]].sent:
         if isinstance(message, Release):
-            for lease, keys in [(message.lease, message.keys), *message.more]:
+            for lease, keys in message.leases:
                 out.setdefault(lease, []).extend(keys)
     return out
 
@@ -567,8 +564,7 @@ def _finish_reads(machine: FetchMachine) -> None:
 
 def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> None:
     """Three handle requests of one step at one producer: one claim naming the three
-    leases (the first also as `claim`, for a producer that reads no `claims`), one
-    READ of all three started before it; confirmed, all land, and one Release gives
+    leases, one READ of all three started before it; confirmed, all land, and one Release gives
     the three leases back."""
     machine = FetchMachine()
     tasks = _one_step_of_handles(machine, {"k0": 11, "k1": 12, "k2": 13})
@@ -577,7 +573,7 @@ def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> 
     assert machine.fetcher.handle_batches == 1
     (claim,) = machine._lookups(PEERS[0])
     assert [key for key, _, _ in claim.items] == ["k0", "k1", "k2"]
-    assert claim.claims == [11, 12, 13] and claim.claim == 11
+    assert claim.claims == [11, 12, 13]
     machine.sockets[PEERS[0]].sent.remove(claim)
     confirm = _claim_reply(machine, claim, dict.fromkeys((11, 12, 13), "confirm"))
     machine.fetcher._apply(machine.fetcher._links[PEERS[0]], confirm)
@@ -586,8 +582,7 @@ def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> 
     assert all(task.done for task in tasks)
     assert all(item.outcome == "landed" for t in tasks for item in t.items.values())
     (release,) = [m for m in machine.sockets[PEERS[0]].sent if isinstance(m, Release)]
-    assert release.read and (release.lease, release.keys) == (11, ["k0"])
-    assert release.more == [(12, ["k1"]), (13, ["k2"])]
+    assert release.read and release.leases == [(11, ["k0"]), (12, ["k1"]), (13, ["k2"])]
     assert not machine.allocator.has_held_entries()
 
 
@@ -609,13 +604,13 @@ def test_one_lapsed_lease_among_several_is_asked_again_once_the_read_is_over() -
     assert tasks[0].done and tasks[2].done and not tasks[1].done
     assert _released(machine) == {21: ["k0"], 23: ["k2"]}, "never the lapsed lease"
     (lookup,) = machine._lookups(PEERS[0])
-    assert lookup.claim == 0 and lookup.claims == [] and lookup.items == [("k1", 1, COLS)]
+    assert lookup.claims == [] and lookup.items == [("k1", 1, COLS)]
     machine.sockets[PEERS[0]].sent.remove(lookup)
     reply = machine._reply(lookup, status=OK, results=[("k1", OK, [(0, COLS * ITEMSIZE)])])
     machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
     _finish_reads(machine)
     assert tasks[1].done and tasks[1].items["k1"].outcome == "landed"
-    assert _released(machine)[reply.lease] == ["k1"]
+    assert _released(machine)[_lease_of(reply)] == ["k1"]
     assert not machine.allocator.has_held_entries()
 
 
@@ -637,24 +632,7 @@ def test_a_refused_claim_lands_nothing_and_releases_only_what_it_was_granted() -
         assert machine.allocator.get(item.wanted.key) is None
     assert _released(machine) == {32: ["k1"]}
     (lookup,) = machine._lookups(PEERS[0])
-    assert lookup.claim == 0 and sorted(key for key, _, _ in lookup.items) == ["k0", "k1"]
-
-
-def test_a_claim_answered_as_a_producer_without_per_item_leases_would() -> None:
-    """A wire-2 producer that reads no `claims` claims the first lease for every item:
-    only that lease's item is trusted; the others are looked up again, and their
-    leases (never claimed) are not released."""
-    machine = FetchMachine()
-    tasks = _one_step_of_handles(machine, {"k0": 41, "k1": 42})
-    (claim,) = machine._lookups(PEERS[0])
-    machine.sockets[PEERS[0]].sent.remove(claim)
-    reply = _claim_reply(machine, claim, {41: "confirm"}, per_item=False)
-    assert reply.leases == [] and [s for _, s, _ in reply.results] == [OK, LAPSED]
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
-    _finish_reads(machine)
-    assert tasks[0].done and tasks[0].items["k0"].outcome == "landed"
-    assert not tasks[1].done and machine.allocator.get("k1") is None
-    assert _released(machine) == {41: ["k0"]}
+    assert lookup.claims == [] and sorted(key for key, _, _ in lookup.items) == ["k0", "k1"]
 
 
 def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
@@ -876,7 +854,9 @@ def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() 
     reply = _ready_in_one_span(machine, lookup)
     fetcher._apply(fetcher._links[peer], reply)
     release = machine.sockets[peer].sent[-1]
-    assert isinstance(release, Release) and release.keys == [KEYS[0]], "the late lease goes"
+    assert isinstance(release, Release) and [k for _, ks in release.leases for k in ks] == [
+        KEYS[0]
+    ], "the late lease goes"
     _now[0] += LATE_REPLY_S
     fetcher._drop_idle_links()
     assert peer not in fetcher._links, "not asked for LATE_REPLY_S: dropped"

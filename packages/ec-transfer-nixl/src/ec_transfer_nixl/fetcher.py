@@ -63,7 +63,6 @@ from ec_transfer_nixl.wire import (
     Release,
     Reply,
     WireError,
-    held_by,
     open_frame,
     seal,
 )
@@ -516,8 +515,6 @@ class Fetcher:
             fingerprint=self._fingerprint,
             items=[(i.wanted.key, i.wanted.rows, i.wanted.cols) for _, i in wanted.values()],
             known_agent=link.agent,
-            # A producer that reads no `claims` takes this for a claim of the first alone.
-            claim=under[0] if under else 0,
             claims=under,
         )
         try:
@@ -704,8 +701,14 @@ class Fetcher:
             except WireError as exc:
                 self._warnings.warn("bad-reply", "EC CPU tier: dropped a peer reply: %s", exc)
                 continue
-            if isinstance(reply, Reply):
-                self._apply(link, reply)
+            if not isinstance(reply, Reply):
+                continue
+            if len(reply.leases) != len(reply.results):
+                self._warnings.warn(
+                    "bad-reply", "EC CPU tier: dropped a peer reply: not one lease per result"
+                )
+                continue
+            self._apply(link, reply)
 
     def _know(self, link: _Link, reply: Reply) -> str:
         """The name to READ from the reply's agent (its metadata added if new)."""
@@ -721,7 +724,7 @@ class Fetcher:
     def _apply(self, link: _Link, reply: Reply) -> None:
         waiting = self._pending.pop(reply.nonce, None)
         group = self._claims.pop(reply.nonce, None)
-        held = dict(zip([key for key, _, _ in reply.results], held_by(reply), strict=True))
+        held = dict(zip([key for key, _, _ in reply.results], reply.leases, strict=True))
         if waiting is None:  # an answer that came too late: give its leases back
             self._release(link, keys_by_lease(held, held))
             return
@@ -786,14 +789,8 @@ class Fetcher:
         """Give back the keys of each lease (one message for all of them)."""
         if not leases or link.socket is None:
             return
-        (lease, keys), *more = leases.items()
         release = Release(
-            nonce=next(self._nonces),
-            sent_at=time.time(),
-            lease=lease,
-            keys=keys,
-            read=read,
-            more=more,
+            nonce=next(self._nonces), sent_at=time.time(), leases=list(leases.items()), read=read
         )
         with contextlib.suppress(zmq.Again):  # else the producer's lease expires by itself
             link.socket.send(seal(release, self._secret), zmq.NOBLOCK)
