@@ -281,7 +281,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     secret = SECRET.encode()
     # The consumer's fetcher learned the producer's agent in the rows above: like it,
     # the lookups say so, and their replies carry no agent metadata.
-    agent_name = next(iter(consumer.remote.fetcher._links.values())).agent  # type: ignore[union-attr]
+    agent_name = next(iter(consumer.remote.fetcher._links.by_peer.values())).agent  # type: ignore[union-attr]
     context = zmq.Context()
     key, rows = "entry-1MB-0", _rows(1)
     for step_s in STEPS_S:

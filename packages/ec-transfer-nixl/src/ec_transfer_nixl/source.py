@@ -48,8 +48,9 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch
+from ec_transfer_nixl.fetcher import Fetcher
 from ec_transfer_nixl.server import PeerServer
+from ec_transfer_nixl.tasks import FetchTask, HandleLease, ItemFetch
 from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature, overrides_text
 
 if TYPE_CHECKING:
