@@ -25,7 +25,7 @@ are pinned from now for `ttl` seconds (`ec_peer_handle_lease_s`; off, and no
 claims and releases them, and `sig` (HMAC-SHA256 with the shared secret, over
 every other field) makes it unforgeable. A consumer that knows the
 producer's NIXL agent already READs them at once and confirms the lease while
-the READ runs (see `ec_transfer_nixl.fetcher`). The handle carries no NIXL
+the READ runs (see `ec_transfer_nixl.claims`). The handle carries no NIXL
 metadata: without the secret, nobody can read the producer's region with it.
 """
 
