@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ec_transfer_nixl.counters import PeerCounters
+from ec_transfer_nixl.stages import Stage
 
 if TYPE_CHECKING:
     from ec_core.peer_settings import PeerAddress
@@ -74,13 +75,14 @@ class Deadlines:
         """Ask again the peers due a retry, and fail what no peer can provide; whether
         the task is done now (then it has left `tasks`)."""
         for item in task.items.values():
-            if item.decided or item.reading:
-                continue
+            stage = item.stage  # (`ItemFetch.decided` and `.reading`, inlined: the hot loop)
+            if item.outcome is not None or stage is Stage.READING or stage is Stage.CONFIRMING:
+                continue  # decided, or its READ decides it
             for peer, when in list(item.retry_at.items()):
                 if when <= now < task.lookup_deadline:
                     self._asks.queue(peer, task, item)  # still in retry_at: not decided
             self._decide(task, item, now)
-        if all(item.decided for item in task.items.values()):
+        if all(item.outcome is not None for item in task.items.values()):
             task.done = True
             self.tasks.remove(task)
             return True

@@ -260,13 +260,12 @@ class Fetcher:
         self.counters.remote_lookups += len(task.items)
         claimed = self._claims.take_on(task) if task.handle is not None else []
         taken = {item.wanted.key for item in claimed}
-        for item in task.items.values():
-            if item.wanted.key not in taken:
+        queue = self._asks.queue
+        for key, item in task.items.items():
+            if key not in taken:
                 item.move(Stage.LOOKING_UP)
-        for peer in task.candidates:
-            for key, item in task.items.items():
-                if key not in taken:
-                    self._asks.queue(peer, task, item)
+                for peer in task.candidates:
+                    queue(peer, task, item)
 
     def _tick(self, now: float) -> None:
         """One pass over everything open: claims and READs, lookups to send, deadlines,

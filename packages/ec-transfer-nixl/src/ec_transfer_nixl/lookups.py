@@ -95,7 +95,7 @@ class Lookups:
         """Send the asks queued in this pass: per peer, one Lookup per LOOKUP_ITEMS_MAX
         items still undecided."""
         for peer, wanted in self._asks.take().items():
-            entries = [(k, v) for k, v in wanted.items() if not v[1].decided]
+            entries = [(k, v) for k, v in wanted.items() if v[1].outcome is None]
             for first in range(0, len(entries), LOOKUP_ITEMS_MAX):
                 self.ask(peer, dict(entries[first : first + LOOKUP_ITEMS_MAX]))
 

@@ -1,8 +1,8 @@
 """The stages one item of a fetch goes through, and the moves allowed between them.
 
 Pure data, used on the fetcher thread (scheduler process); `ItemFetch.move` is
-the one place an item changes stage, and it refuses a move `NEXT` does not
-allow. The moves, and what makes each:
+the one place an item changes stage, and it raises IllegalMoveError on a move
+`NEXT` does not allow. The moves, and what makes each:
 
     STAGED      -> CLAIMING     a handle's lease covers it
                 -> LOOKING_UP   otherwise
@@ -24,6 +24,10 @@ import enum
 
 class Stage(enum.Enum):
     """Where one item of a fetch is; the stage says which part of the fetcher holds it."""
+
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own
+    # __hash__ is Python code, and every move and stage test on the fetch path hashes).
+    __hash__ = object.__hash__
 
     STAGED = "staged"
     """Submitted by the scheduler thread; the fetcher thread has not taken it on."""
@@ -63,9 +67,3 @@ TERMINAL = frozenset(stage for stage, after in NEXT.items() if not after)
 
 class IllegalMoveError(RuntimeError):
     """An item was moved between stages the table does not connect: a bug here."""
-
-
-def check_move(now: Stage, to: Stage) -> None:
-    """Raise IllegalMoveError unless NEXT allows moving from `now` to `to`."""
-    if to not in NEXT[now]:
-        raise IllegalMoveError(f"an item cannot move from {now.name} to {to.name}")

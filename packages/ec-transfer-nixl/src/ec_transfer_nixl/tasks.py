@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ec_transfer_nixl.stages import TERMINAL, Stage, check_move
+from ec_transfer_nixl.stages import NEXT, IllegalMoveError, Stage
 
 if TYPE_CHECKING:
     from ec_core.peer_settings import PeerAddress
@@ -58,8 +58,9 @@ class ItemFetch:
     stage: Stage = Stage.STAGED
 
     def move(self, to: Stage) -> None:
-        """Move the item to stage `to`; IllegalMove if `stages.NEXT` does not allow it."""
-        check_move(self.stage, to)
+        """Move the item to stage `to`; IllegalMoveError if `stages.NEXT` does not allow it."""
+        if to not in NEXT[self.stage]:
+            raise IllegalMoveError(f"an item cannot move from {self.stage.name} to {to.name}")
         self.stage = to
 
     def decide(self, outcome: str) -> None:
@@ -70,12 +71,13 @@ class ItemFetch:
     @property
     def decided(self) -> bool:
         """Whether the item has its outcome (its stage is terminal)."""
-        return self.stage in TERMINAL
+        return self.outcome is not None
 
     @property
     def reading(self) -> bool:
         """Whether a READ into its blocks runs or awaits its claim's answer."""
-        return self.stage is Stage.READING or self.stage is Stage.CONFIRMING
+        stage = self.stage
+        return stage is Stage.READING or stage is Stage.CONFIRMING
 
 
 @dataclass(eq=False)
