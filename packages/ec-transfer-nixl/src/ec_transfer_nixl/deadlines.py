@@ -57,6 +57,11 @@ class Deadlines:
                 busy.add(task.handle.peer)
         return busy
 
+    def take_on(self, task: FetchTask) -> None:
+        """Count `task` open (its items were asked of peers)."""
+        self.tasks.append(task)
+        self._counters.remote_lookups += len(task.items)
+
     def finish(self, item: ItemFetch, outcome: str) -> None:
         """Decide `item`: "landed", or failed with `outcome` (counted and reported)."""
         item.decide(outcome)
@@ -108,10 +113,10 @@ class Deadlines:
         cause = next((c for c in CAUSE_ORDER if c in causes), None)
         self.finish(item, cause or "unreachable")
 
-    def fail_all(self, outcome: str) -> None:
-        """Fail every undecided item of every open task with `outcome`, and mark the
-        tasks done (the fetcher stops)."""
-        for task in self.tasks:
+    def fail_all(self, outcome: str, untaken: list[FetchTask]) -> None:
+        """The fetcher stops: fail every undecided item of every open task, and of the
+        `untaken` tasks (handed over, never taken on), with `outcome`; mark them done."""
+        for task in [*self.tasks, *untaken]:
             for item in task.items.values():
                 if not item.decided:
                     self.finish(item, outcome)

@@ -256,8 +256,7 @@ class Fetcher:
     def _begin(self, task: FetchTask) -> None:
         """Take a task on; its lookups go out at the end of this pass, the claim of its
         handle's lease (with those of the pass's other handles) at its start."""
-        self._deadlines.tasks.append(task)
-        self.counters.remote_lookups += len(task.items)
+        self._deadlines.take_on(task)
         claimed = self._claims.take_on(task) if task.handle is not None else []
         taken = {item.wanted.key for item in claimed}
         queue = self._asks.queue
@@ -296,9 +295,9 @@ class Fetcher:
     def _shutdown(self) -> None:
         try:
             # Tasks handed over or staged but never taken on fail with the open ones.
-            self._deadlines.tasks.extend(self._intake.take(all_staged=True))
+            untaken = self._intake.take(all_staged=True)
             self._reads.end_all()
-            self._deadlines.fail_all("timeout")
+            self._deadlines.fail_all("timeout", untaken)
             self._releases.flush()
         finally:
             # Whatever failed above: a socket left open would hang the context's

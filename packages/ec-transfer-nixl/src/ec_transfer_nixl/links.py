@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ec_core._vllm import get_logger
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.sockets import peer_socket
 from ec_transfer_nixl.wire import Reply, WireError, open_frame
@@ -20,6 +21,8 @@ from ec_transfer_nixl.wire import Reply, WireError, open_frame
 if TYPE_CHECKING:
     from ec_core.peer_settings import PeerAddress
     from ec_transfer_nixl.agent import RegionAgent
+
+logger = get_logger(__name__)
 
 DOWN_FOR_S = 5.0
 """How long a peer that did not answer is not asked."""
@@ -97,6 +100,22 @@ class Links:
             self.by_peer[peer] = link
             self._poller = None
         return link
+
+    def asked(self, link: Link, now: float) -> None:
+        """A lookup went out on `link` at `now` (it is kept a while for a late reply)."""
+        link.asked_at = now
+
+    def incompatible(self, peer: PeerAddress, link: Link) -> None:
+        """`peer` (on `link`) runs an incompatible engine: it is never asked again
+        (said once)."""
+        if not link.incompatible:
+            logger.warning(
+                "EC CPU tier: peer %s runs an incompatible engine (model, dtype, "
+                "embedding width, block size or wire version differ); it is not asked "
+                "again and its items are encoded here",
+                peer,
+            )
+        link.incompatible = True
 
     def usable(self, link: Link) -> bool:
         """Whether the peer of `link` may be asked now (compatible, and not down)."""

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ec_core._vllm import get_logger
 from ec_transfer_nixl.wire import INCOMPATIBLE, LAPSED, OK, SAVING, SHAPE, Lookup, Reply, seal
 
 if TYPE_CHECKING:
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from ec_transfer_nixl.releases import Releases
     from ec_transfer_nixl.shapes import Shapes
     from ec_transfer_nixl.tasks import FetchTask
-
-logger = get_logger(__name__)
 
 SAVING_RETRY_S = 0.01
 """How soon a peer that is still saving an item is asked again."""
@@ -137,7 +134,7 @@ class Lookups:
                 item.retry_at[peer] = now + CONNECT_RETRY_S
             return False
         self.pending[nonce] = Pending(peer, wanted, now, group)
-        link.asked_at = now
+        self._links.asked(link, now)
         if group is not None:
             group.claim_sent, group.claim_nonce = now, nonce
         for _, item in wanted.values():
@@ -170,14 +167,7 @@ class Lookups:
             return
         peer, wanted, group = waiting.peer, waiting.wanted, waiting.group
         if reply.status == INCOMPATIBLE:
-            if not link.incompatible:
-                logger.warning(
-                    "EC CPU tier: peer %s runs an incompatible engine (model, dtype, "
-                    "embedding width, block size or wire version differ); it is not asked "
-                    "again and its items are encoded here",
-                    peer,
-                )
-            link.incompatible = True
+            self._links.incompatible(peer, link)
             for _, item in wanted.values():
                 item.answers[peer] = "incompatible"
             if group is not None:
