@@ -281,7 +281,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
     secret = SECRET.encode()
     # The consumer's fetcher learned the producer's agent in the rows above: like it,
     # the lookups say so, and their replies carry no agent metadata.
-    agent_name = next(iter(consumer.remote.fetcher._links.values())).agent  # type: ignore[union-attr]
+    agent_name = next(iter(consumer.remote.fetcher._links.by_peer.values())).agent  # type: ignore[union-attr]
     context = zmq.Context()
     key, rows = "entry-1MB-0", _rows(1)
     for step_s in STEPS_S:
@@ -311,6 +311,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                             consumer.remote.fingerprint,  # type: ignore[union-attr]
                             [(key, rows, WIDTH)],
                             known_agent=agent_name,
+                            claims=[],
                         ),
                         secret,
                     )
@@ -332,7 +333,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                 for sock, frame in replies.items():
                     reply = open_frame(frame, secret)
                     assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
-                    release = Release(0, time.time(), reply.lease, [key])
+                    release = Release(0, time.time(), [(reply.leases[0], [key])], read=False)
                     sock.send(seal(release, secret))
             client_cpu = time.thread_time() - client_cpu
             client_io = _zmq_io_cpu() - client_io

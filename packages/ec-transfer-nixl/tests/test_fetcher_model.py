@@ -32,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from hypothesis import event, settings
@@ -51,15 +53,10 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries, Wanted
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import (
-    LINKS_MAX,
-    SAVING_RETRY_S,
-    Fetcher,
-    FetchTask,
-    HandleLease,
-    ItemFetch,
-    _Link,
-)
+from ec_transfer_nixl.fetcher import Fetcher
+from ec_transfer_nixl.links import LINKS_MAX, Link
+from ec_transfer_nixl.lookups import SAVING_RETRY_S
+from ec_transfer_nixl.tasks import FetchTask, HandleLease, ItemFetch
 from ec_transfer_nixl.wire import (
     LAPSED,
     MISSING,
@@ -70,6 +67,7 @@ from ec_transfer_nixl.wire import (
     Release,
     Reply,
     open_frame,
+    seal,
 )
 
 SECRET = b"model-test-secret"
@@ -198,8 +196,10 @@ class FetchMachine(RuleBasedStateMachine):
         self.agent: FakeAgent = self.fetcher.agent  # type: ignore[assignment]
         self.sockets = {peer: FakeSocket() for peer in PEERS}
         for peer, sock in self.sockets.items():
-            self.fetcher._links[peer] = _Link(sock)  # type: ignore[arg-type]
-        self.fetcher._links[PEERS[0]].agent = "producer"  # known: handle READs start at once
+            self.fetcher._links.by_peer[peer] = Link(sock)  # type: ignore[arg-type]
+        self.fetcher._links.by_peer[
+            PEERS[0]
+        ].agent = "producer"  # known: handle READs start at once
         self.tasks: list[FetchTask] = []
         self.leased: dict[tuple[PeerAddress, int], set[str]] = {}
         self.lease_ids = iter(range(1, 10_000))
@@ -228,7 +228,7 @@ class FetchMachine(RuleBasedStateMachine):
     def _idle(self, keys: set[str]) -> set[str]:
         """The keys no task is fetching: the source gives each item to one task at a
         time (NixlRemoteSource.wants)."""
-        return keys - {k for t in self.fetcher._tasks for k in t.items}
+        return keys - {k for t in self.fetcher._deadlines.tasks for k in t.items}
 
     def _begin(
         self, keys: set[str], rows: int, peers: set[PeerAddress], handle: HandleLease | None
@@ -291,7 +291,7 @@ class FetchMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 9)) == 0:
             reply = self._reply(lookup, status="incompatible", results=[])
             event("incompatible")
-        elif lookup.claim:
+        elif lookup.claims:
             reply = self._answer_claim(peer, lookup, data)
         else:
             results = []
@@ -302,10 +302,10 @@ class FetchMachine(RuleBasedStateMachine):
             reply = self._reply(lookup, status=OK, results=results)
             leased = {k for k, s, _ in results if s == OK}
             if leased:
-                self.leased[(peer, reply.lease)] = leased
+                self.leased[(peer, _lease_of(reply))] = leased
         if reply.status == OK:
             self.vouched.update((key, spans[0][0]) for key, status, spans in reply.results if spans)
-        self.fetcher._apply(self.fetcher._links[peer], reply)
+        self.fetcher._lookups.apply(self.fetcher._links.by_peer[peer], reply)
 
     @precondition(_a_lookup_is_out)
     @rule(data=st.data())
@@ -341,7 +341,7 @@ class FetchMachine(RuleBasedStateMachine):
 
     @invariant()
     def only_confirmed_reads_land(self) -> None:
-        for group in self.fetcher._reads + self.fetcher._awaiting:
+        for group in self.fetcher._reads.running + self.fetcher._reads.awaiting:
             if not group.answered:
                 for item in group.items:
                     assert item.outcome != "landed"
@@ -387,7 +387,7 @@ class FetchMachine(RuleBasedStateMachine):
             for peer, sock in self.sockets.items()
             for message in sock.sent
             if isinstance(message, Release)
-            for lease, keys in [(message.lease, message.keys), *message.more]
+            for lease, keys in message.leases
             for key in keys
         }
         granted = {
@@ -412,28 +412,20 @@ class FetchMachine(RuleBasedStateMachine):
 
     def _answer_claim(self, peer: PeerAddress, lookup: Lookup, data: st.DataObject) -> Reply:
         """A producer's answer to a claim: each lease named confirmed, lapsed, or
-        confirmed with other spans; or the answer of a producer that reads no
-        per-item leases (it claims `claim` for every item)."""
-        old_producer = data.draw(st.integers(0, 3)) == 0
+        confirmed with other spans."""
         answers = {
             lease: data.draw(st.sampled_from(["confirm", "confirm", "lapsed", "moved"]))
-            for lease in dict.fromkeys(lookup.claims or [lookup.claim])
+            for lease in dict.fromkeys(lookup.claims)
         }
-        event("claim by an old producer" if old_producer else f"claim of {len(answers)} leases")
+        event(f"claim of {len(answers)} leases")
         for answer in answers.values():
             event(f"claimed lease {answer}")
-        return self.claim_answer(peer, lookup, answers, old_producer=old_producer)
+        return self.claim_answer(peer, lookup, answers)
 
-    def claim_answer(
-        self, peer: PeerAddress, lookup: Lookup, answers: dict[int, str], *, old_producer: bool
-    ) -> Reply:
+    def claim_answer(self, peer: PeerAddress, lookup: Lookup, answers: dict[int, str]) -> Reply:
         """The answer to `lookup` (a claim) with, per lease, "confirm", "lapsed" or
-        "moved" (other spans; a lease not named: lapsed); with `old_producer`, as a
-        producer that reads only `claim` would answer."""
-        if old_producer or not lookup.claims:
-            under = [lookup.claim] * len(lookup.items)
-        else:
-            under = lookup.claims
+        "moved" (other spans; a lease not named: lapsed)."""
+        under = lookup.claims
         results: list[Any] = []
         leases: list[int] = []
         for (key, _, _), lease in zip(lookup.items, under, strict=True):
@@ -453,23 +445,30 @@ class FetchMachine(RuleBasedStateMachine):
             status=OK,
             agent="producer",
             agent_metadata=b"" if lookup.known_agent == "producer" else b"md",
-            lease=lookup.claim if lookup.claim in leases else 0,
             lease_s=LEASE_S,
             results=results,
-            leases=[] if old_producer else leases,
+            leases=leases,
+            shapes=[],
         )
 
     def _reply(self, lookup: Lookup, *, status: str, results: list[Any]) -> Reply:
+        lease = next(self.lease_ids) if results else 0
         return Reply(
             nonce=lookup.nonce,
             sent_at=_now[0],
             status=status,
             agent="producer",
             agent_metadata=b"md",
-            lease=next(self.lease_ids) if results else 0,
             lease_s=LEASE_S,
             results=results,
+            leases=[lease if s == OK else 0 for _, s, _ in results],
+            shapes=[],
         )
+
+
+def _lease_of(reply: Reply) -> int:
+    """The lease a lookup's Reply grants (0: none)."""
+    return next((lease for lease in reply.leases if lease), 0)
 
 
 TestFetchProtocol = FetchMachine.TestCase
@@ -498,8 +497,8 @@ def test_a_steps_requests_share_one_lookup_and_one_read_per_peer() -> None:
     (lookup,) = machine._lookups(peer)
     assert [key for key, _, _ in lookup.items] == list(KEYS[:3])
     results = [(key, OK, [(0, rows * cols * ITEMSIZE)]) for key, rows, cols in lookup.items]
-    machine.fetcher._apply(
-        machine.fetcher._links[peer], machine._reply(lookup, status=OK, results=results)
+    machine.fetcher._lookups.apply(
+        machine.fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
     )
     (read,) = machine.agent.reads
     assert len(read.blocks) == 3
@@ -508,7 +507,8 @@ def test_a_steps_requests_share_one_lookup_and_one_read_per_peer() -> None:
     assert all(task.done for task in tasks)
     assert machine.fetcher.counters.remote_hits == 3
     (release,) = [m for m in machine.sockets[peer].sent if isinstance(m, Release)]
-    assert release.read and sorted(release.keys) == list(KEYS[:3])
+    ((_, keys),) = release.leases
+    assert release.read and sorted(keys) == list(KEYS[:3])
 
 
 # ------------------------------------------------------ batched handle claims
@@ -541,12 +541,9 @@ def _one_step_of_handles(machine: FetchMachine, leases: dict[str, int]) -> list[
     return tasks
 
 
-def _claim_reply(
-    machine: FetchMachine, lookup: Lookup, answers: dict[int, str], *, per_item: bool = True
-) -> Reply:
-    """The first peer's answer to `lookup`: per lease "confirm", "lapsed" or "moved";
-    without `per_item`, as a producer that reads only `claim` would answer."""
-    return machine.claim_answer(PEERS[0], lookup, answers, old_producer=not per_item)
+def _claim_reply(machine: FetchMachine, lookup: Lookup, answers: dict[int, str]) -> Reply:
+    """The first peer's answer to `lookup`: per lease "confirm", "lapsed" or "moved"."""
+    return machine.claim_answer(PEERS[0], lookup, answers)
 
 
 def _released(machine: FetchMachine) -> dict[int, list[str]]:
@@ -554,7 +551,7 @@ def _released(machine: FetchMachine) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for message in machine.sockets[PEERS[0]].sent:
         if isinstance(message, Release):
-            for lease, keys in [(message.lease, message.keys), *message.more]:
+            for lease, keys in message.leases:
                 out.setdefault(lease, []).extend(keys)
     return out
 
@@ -567,8 +564,7 @@ def _finish_reads(machine: FetchMachine) -> None:
 
 def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> None:
     """Three handle requests of one step at one producer: one claim naming the three
-    leases (the first also as `claim`, for a producer that reads no `claims`), one
-    READ of all three started before it; confirmed, all land, and one Release gives
+    leases, one READ of all three started before it; confirmed, all land, and one Release gives
     the three leases back."""
     machine = FetchMachine()
     tasks = _one_step_of_handles(machine, {"k0": 11, "k1": 12, "k2": 13})
@@ -577,17 +573,16 @@ def test_a_steps_handles_are_claimed_in_one_message_and_read_with_one_read() -> 
     assert machine.fetcher.handle_batches == 1
     (claim,) = machine._lookups(PEERS[0])
     assert [key for key, _, _ in claim.items] == ["k0", "k1", "k2"]
-    assert claim.claims == [11, 12, 13] and claim.claim == 11
+    assert claim.claims == [11, 12, 13]
     machine.sockets[PEERS[0]].sent.remove(claim)
     confirm = _claim_reply(machine, claim, dict.fromkeys((11, 12, 13), "confirm"))
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], confirm)
+    machine.fetcher._lookups.apply(machine.fetcher._links.by_peer[PEERS[0]], confirm)
     assert not any(task.done for task in tasks), "not before the READ is over"
     _finish_reads(machine)
     assert all(task.done for task in tasks)
     assert all(item.outcome == "landed" for t in tasks for item in t.items.values())
     (release,) = [m for m in machine.sockets[PEERS[0]].sent if isinstance(m, Release)]
-    assert release.read and (release.lease, release.keys) == (11, ["k0"])
-    assert release.more == [(12, ["k1"]), (13, ["k2"])]
+    assert release.read and release.leases == [(11, ["k0"]), (12, ["k1"]), (13, ["k2"])]
     assert not machine.allocator.has_held_entries()
 
 
@@ -602,20 +597,22 @@ def test_one_lapsed_lease_among_several_is_asked_again_once_the_read_is_over() -
     _finish_reads(machine)
     assert not any(task.done for task in tasks), "no bytes count before the claim's answer"
     answers = {21: "confirm", 22: "lapsed", 23: "confirm"}
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], _claim_reply(machine, claim, answers))
+    machine.fetcher._lookups.apply(
+        machine.fetcher._links.by_peer[PEERS[0]], _claim_reply(machine, claim, answers)
+    )
     assert tasks[0].items["k0"].outcome == "landed" and tasks[2].items["k2"].outcome == "landed"
     assert machine.allocator.get("k1") is None, "the lapsed item's blocks are freed"
     machine.fetcher._tick(_now[0])
     assert tasks[0].done and tasks[2].done and not tasks[1].done
     assert _released(machine) == {21: ["k0"], 23: ["k2"]}, "never the lapsed lease"
     (lookup,) = machine._lookups(PEERS[0])
-    assert lookup.claim == 0 and lookup.claims == [] and lookup.items == [("k1", 1, COLS)]
+    assert lookup.claims == [] and lookup.items == [("k1", 1, COLS)]
     machine.sockets[PEERS[0]].sent.remove(lookup)
     reply = machine._reply(lookup, status=OK, results=[("k1", OK, [(0, COLS * ITEMSIZE)])])
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
+    machine.fetcher._lookups.apply(machine.fetcher._links.by_peer[PEERS[0]], reply)
     _finish_reads(machine)
     assert tasks[1].done and tasks[1].items["k1"].outcome == "landed"
-    assert _released(machine)[reply.lease] == ["k1"]
+    assert _released(machine)[_lease_of(reply)] == ["k1"]
     assert not machine.allocator.has_held_entries()
 
 
@@ -628,33 +625,16 @@ def test_a_refused_claim_lands_nothing_and_releases_only_what_it_was_granted() -
     (claim,) = machine._lookups(PEERS[0])
     machine.sockets[PEERS[0]].sent.remove(claim)
     reply = _claim_reply(machine, claim, {31: "lapsed", 32: "moved"})
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
+    machine.fetcher._lookups.apply(machine.fetcher._links.by_peer[PEERS[0]], reply)
     assert machine.allocator.get("k0") is not None, "blocks held while the READ may write"
     _finish_reads(machine)
     for task in tasks:
         item = next(iter(task.items.values()))
-        assert item.outcome is None and item.reading is None
+        assert item.outcome is None and not item.reading
         assert machine.allocator.get(item.wanted.key) is None
     assert _released(machine) == {32: ["k1"]}
     (lookup,) = machine._lookups(PEERS[0])
-    assert lookup.claim == 0 and sorted(key for key, _, _ in lookup.items) == ["k0", "k1"]
-
-
-def test_a_claim_answered_as_a_producer_without_per_item_leases_would() -> None:
-    """A wire-2 producer that reads no `claims` claims the first lease for every item:
-    only that lease's item is trusted; the others are looked up again, and their
-    leases (never claimed) are not released."""
-    machine = FetchMachine()
-    tasks = _one_step_of_handles(machine, {"k0": 41, "k1": 42})
-    (claim,) = machine._lookups(PEERS[0])
-    machine.sockets[PEERS[0]].sent.remove(claim)
-    reply = _claim_reply(machine, claim, {41: "confirm"}, per_item=False)
-    assert reply.leases == [] and [s for _, s, _ in reply.results] == [OK, LAPSED]
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], reply)
-    _finish_reads(machine)
-    assert tasks[0].done and tasks[0].items["k0"].outcome == "landed"
-    assert not tasks[1].done and machine.allocator.get("k1") is None
-    assert _released(machine) == {41: ["k0"]}
+    assert lookup.claims == [] and sorted(key for key, _, _ in lookup.items) == ["k0", "k1"]
 
 
 def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
@@ -671,16 +651,35 @@ def test_a_producer_gone_mid_read_leaves_nothing_pinned_or_leaked() -> None:
     machine.fetcher._tick(_now[0])
     assert all(task.done for task in tasks)
     assert {item.outcome for t in tasks for item in t.items.values()} == {"unreachable"}
-    assert machine.fetcher._links[PEERS[0]].down_until > _now[0]
+    assert machine.fetcher._links.by_peer[PEERS[0]].down_until > _now[0]
     assert machine.fetcher.quarantined == 1
     assert all(not machine.allocator.get(k).ready for k in ("k0", "k1"))  # type: ignore[union-attr]
     _finish_reads(machine)
     assert machine.fetcher.quarantined == 0 and not machine.allocator.has_held_entries()
     assert _released(machine) == {}
     late = _claim_reply(machine, claim, dict.fromkeys((51, 52), "confirm"))
-    machine.fetcher._apply(machine.fetcher._links[PEERS[0]], late)
+    machine.fetcher._lookups.apply(machine.fetcher._links.by_peer[PEERS[0]], late)
     assert _released(machine) == {51: ["k0"], 52: ["k1"]}
     assert not machine.allocator.has_held_entries()
+
+
+def test_a_claim_unanswered_after_its_read_is_over_fails_its_items_and_frees_them() -> None:
+    """The READ ends, the claim's answer never comes: at the lookup deadline the items
+    fail (unreachable), their blocks are freed at once (the READ writes no more), the
+    producer is not asked for a while, and nothing is released (nothing was granted)."""
+    machine = FetchMachine()
+    tasks = _one_step_of_handles(machine, {"k0": 61, "k1": 62})
+    (claim,) = machine._lookups(PEERS[0])
+    machine.sockets[PEERS[0]].sent.remove(claim)
+    _finish_reads(machine)
+    assert not any(task.done for task in tasks), "no bytes count before the claim's answer"
+    _now[0] += LOOKUP_S + 0.1
+    machine.fetcher._tick(_now[0])
+    assert all(task.done for task in tasks)
+    assert {item.outcome for t in tasks for item in t.items.values()} == {"unreachable"}
+    assert machine.fetcher._links.by_peer[PEERS[0]].down_until > _now[0]
+    assert machine.fetcher.quarantined == 0 and not machine.allocator.has_held_entries()
+    assert _released(machine) == {}
 
 
 def _asked(machine: FetchMachine, task: FetchTask) -> Lookup:
@@ -709,23 +708,23 @@ def test_a_steps_tasks_are_taken_on_together_after_its_kick_however_busy_the_thr
     """Tasks submitted during a step wait for the step's kick, even while the thread
     runs passes (READs polled every 50 µs); then a pass takes them all at once, and
     a task staged with no kick is still taken on after IDLE_POLL_MS."""
-    from ec_transfer_nixl.fetcher import IDLE_POLL_MS
+    from ec_transfer_nixl.intake import IDLE_POLL_MS
 
     machine = FetchMachine()
     fetcher = machine.fetcher
     first, second = _task("r0", KEYS[0]), _task("r1", KEYS[1])
     fetcher.submit(first)
-    assert fetcher._take_tasks() == []  # a pass in the middle of the step takes nothing
+    assert fetcher._intake.take() == []  # a pass in the middle of the step takes nothing
     fetcher.submit(second)
     fetcher.kick()
-    assert fetcher._take_tasks() == [first, second]
-    assert fetcher._take_tasks() == []
+    assert fetcher._intake.take() == [first, second]
+    assert fetcher._intake.take() == []
     late = _task("r2", KEYS[2])
     fetcher.submit(late)
     _now[0] += IDLE_POLL_MS / 1000 / 2
-    assert fetcher._take_tasks() == []
+    assert fetcher._intake.take() == []
     _now[0] += IDLE_POLL_MS / 1000
-    assert fetcher._take_tasks() == [late]
+    assert fetcher._intake.take() == [late]
 
 
 def test_tasks_never_taken_on_fail_when_the_fetcher_stops() -> None:
@@ -756,7 +755,7 @@ def test_a_reply_span_of_negative_length_never_writes_outside_the_reservation() 
     reply = machine._reply(
         lookup, status=OK, results=[(KEYS[0], OK, [(5000, -BLOCK), (6000, nbytes + BLOCK)])]
     )
-    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
     entry = allocator.get(KEYS[0])
     reserved = set(entry.block_ids) if entry is not None else set()
     for read in machine.agent.reads:
@@ -764,6 +763,34 @@ def test_a_reply_span_of_negative_length_never_writes_outside_the_reservation() 
     assert machine.agent.reads == []  # such spans are not read at all
     assert allocator.get(KEYS[0]) is None  # nor is anything left reserved
     assert allocator.get("here") is not None and allocator.get("here").ready
+
+
+class _Inbox:
+    """A DEALER socket with frames waiting to be received."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = frames
+
+    def getsockopt(self, option: int) -> int:
+        return zmq.POLLIN if self.frames else 0
+
+    def recv(self, flags: int = 0) -> bytes:
+        return self.frames.pop(0)
+
+
+def test_a_reply_that_names_no_lease_per_result_is_dropped() -> None:
+    """Every Reply names, per result, the lease that holds it: one that does not is
+    dropped unread (a READ under no lease would never be released), the next read."""
+    machine = FetchMachine()
+    fetcher, peer = machine.fetcher, PEERS[0]
+    lookup = _asked(machine, _task("r0", KEYS[0]))
+    good = msgspec.structs.replace(_ready_in_one_span(machine, lookup), sent_at=time.time())
+    bad = msgspec.structs.replace(good, leases=[])
+    inbox = _Inbox([seal(bad, SECRET), seal(good, SECRET)])
+    fetcher._links.by_peer[peer] = Link(inbox)  # type: ignore[arg-type]
+    assert list(fetcher._links.replies({inbox: zmq.POLLIN})) == [
+        (fetcher._links.by_peer[peer], good)
+    ]
 
 
 def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease() -> None:
@@ -780,7 +807,7 @@ def test_a_reply_taken_late_off_the_socket_does_not_stretch_the_producers_lease(
     # This producer's ec_peer_lease_s: its pins went at sent + 3 s at the latest.
     reply.lease_s = 3.0
     _now[0] += 2.0  # the thread took the reply off the socket 2 s after it was sent (busy host)
-    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
     (read,) = machine.agent.running()
     _now[0] = sent + 3.5  # the READ ends after the producer's lease did
     read.state = "DONE"
@@ -854,7 +881,7 @@ def test_the_links_to_peers_stay_bounded_whatever_peers_handles_name() -> None:
     fetcher._begin(later)
     fetcher._tick(_now[0])
     assert later.items["later"].asked, "the lookup of a later fetch went out"
-    assert len(fetcher._links) <= LINKS_MAX + 1
+    assert len(fetcher._links.by_peer) <= LINKS_MAX + 1
 
 
 def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() -> None:
@@ -862,7 +889,7 @@ def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() 
     producer's reply may still come, pinning the item under a lease. Dropping that link
     as idle would close the socket before the reply is read, leaving the pin until the
     lease expires; so a link asked lately is kept, and dropped once it is not."""
-    from ec_transfer_nixl.fetcher import LATE_REPLY_S
+    from ec_transfer_nixl.links import LATE_REPLY_S
 
     machine = FetchMachine()
     fetcher, peer = machine.fetcher, PEERS[0]
@@ -870,16 +897,18 @@ def test_a_link_asked_lately_is_kept_so_a_late_reply_still_releases_its_lease() 
     lookup = _asked(machine, task)
     _now[0] += LOOKUP_S + 0.1
     fetcher._tick(_now[0])
-    assert task.done and not fetcher._pending, "given up: nothing open on the link"
+    assert task.done and not fetcher._lookups.pending, "given up: nothing open on the link"
     fetcher._drop_idle_links()
-    assert peer in fetcher._links, "asked lately: kept for a late reply"
+    assert peer in fetcher._links.by_peer, "asked lately: kept for a late reply"
     reply = _ready_in_one_span(machine, lookup)
-    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
     release = machine.sockets[peer].sent[-1]
-    assert isinstance(release, Release) and release.keys == [KEYS[0]], "the late lease goes"
+    assert isinstance(release, Release) and [k for _, ks in release.leases for k in ks] == [
+        KEYS[0]
+    ], "the late lease goes"
     _now[0] += LATE_REPLY_S
     fetcher._drop_idle_links()
-    assert peer not in fetcher._links, "not asked for LATE_REPLY_S: dropped"
+    assert peer not in fetcher._links.by_peer, "not asked for LATE_REPLY_S: dropped"
 
 
 def test_a_failed_read_nixl_still_holds_keeps_its_blocks_until_nixl_lets_go() -> None:
@@ -890,7 +919,7 @@ def test_a_failed_read_nixl_still_holds_keeps_its_blocks_until_nixl_lets_go() ->
     task = _task("r0", KEYS[0])
     lookup = _asked(machine, task)
     reply = _ready_in_one_span(machine, lookup)
-    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
     (read,) = machine.agent.running()
     machine.agent.refuse_release_after_error = True
     read.state = "ERR"
@@ -910,14 +939,17 @@ def test_an_agent_two_links_share_is_forgotten_only_with_the_last() -> None:
     machine = FetchMachine()
     fetcher = machine.fetcher
     busy, idle = PEERS[0], PeerAddress("10.255.0.2", 7)
-    fetcher._links[busy].agent = "producer"
-    fetcher._links[idle] = _Link(FakeSocket(), agent="producer")  # type: ignore[arg-type]
-    fetcher._tasks.append(_task("r0", KEYS[0]))  # its candidates include `busy`
-    assert busy in fetcher._tasks[0].candidates and idle not in fetcher._tasks[0].candidates
+    fetcher._links.by_peer[busy].agent = "producer"
+    fetcher._links.by_peer[idle] = Link(FakeSocket(), agent="producer")  # type: ignore[arg-type]
+    fetcher._deadlines.tasks.append(_task("r0", KEYS[0]))  # its candidates include `busy`
+    assert (
+        busy in fetcher._deadlines.tasks[0].candidates
+        and idle not in fetcher._deadlines.tasks[0].candidates
+    )
     fetcher._drop_idle_links()
-    assert idle not in fetcher._links and busy in fetcher._links
+    assert idle not in fetcher._links.by_peer and busy in fetcher._links.by_peer
     assert machine.agent.forgotten == []
-    fetcher._tasks.clear()
+    fetcher._deadlines.tasks.clear()
     fetcher._drop_idle_links()
     assert machine.agent.forgotten == ["producer"]
 
@@ -967,7 +999,7 @@ def _the_steps_lookup(machine: FetchMachine, source: Any) -> Lookup:
     """End the scheduler's step: begin the fetches it handed over and run one pass.
     The one Lookup this sent the first peer, taken off its socket to be answered."""
     source.step_done()
-    for task in machine.fetcher._take_tasks():
+    for task in machine.fetcher._intake.take():
         machine.fetcher._begin(task)
     machine.fetcher._tick(_now[0])
     (lookup,) = machine._lookups(PEERS[0])
@@ -988,7 +1020,9 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     assert source.wants(r2, [k0, k1]), "k0 is on its way, k1 is fetched for r2"
     lookup = _the_steps_lookup(machine, source)
     results = [("k0", SAVING, []), ("k1", OK, [(0, COLS * ITEMSIZE)])]
-    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    fetcher._lookups.apply(
+        fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
+    )
     _finish_reads(machine)
     assert source._tasks["r2"].done and not source._tasks["r1"].done
     assert source.wants(r2, [k0]), "k0's fetch is still in flight: r2 waits for it"
@@ -997,7 +1031,9 @@ def test_a_request_waits_for_another_requests_fetch_after_its_own_fetch_is_done(
     fetcher._tick(_now[0])  # k0 is asked again, and is ready now
     (lookup,) = machine._lookups(peer)
     results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
-    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    fetcher._lookups.apply(
+        fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
+    )
     _finish_reads(machine)
     assert machine.allocator.get("k0").ready  # type: ignore[union-attr]
     assert not source.wants(r1, []) and not source.wants(r2, [])
@@ -1020,7 +1056,9 @@ def test_a_streaming_sessions_next_chunk_fetches_its_new_items() -> None:
     lookup = _the_steps_lookup(machine, source)
     assert [key for key, _, _ in lookup.items] == ["k0"]
     results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
-    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    fetcher._lookups.apply(
+        fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
+    )
     _finish_reads(machine)
     assert not source.wants(session, []), "k0 landed: the first chunk runs"
     session.mm_features.append("image 1")  # the next chunk (vLLM extends the list)
@@ -1028,7 +1066,9 @@ def test_a_streaming_sessions_next_chunk_fetches_its_new_items() -> None:
     lookup = _the_steps_lookup(machine, source)
     assert [key for key, _, _ in lookup.items] == ["k1"]
     results = [("k1", OK, [(BLOCK, COLS * ITEMSIZE)])]
-    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    fetcher._lookups.apply(
+        fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
+    )
     _finish_reads(machine)
     assert machine.allocator.get("k1").ready  # type: ignore[union-attr]
     assert not source.wants(session, [])
@@ -1055,14 +1095,14 @@ def test_requests_that_waited_on_a_fetch_that_failed_go_on_instead_of_fetching_a
     assert all(source.wants(request, [k0]) for request in requests), "k0 is on its way"
     lookup = _the_steps_lookup(machine, source)
     saving = machine._reply(lookup, status=OK, results=[("k0", SAVING, [])])
-    fetcher._apply(fetcher._links[peer], saving)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], saving)
     _now[0] += LOOKUP_S + 0.1  # the save never lands in time
     fetcher._tick(_now[0])
     assert source._tasks["r1"].done
     assert fetcher.counters.fallbacks == {"not_ready": 1}
     for request in requests:
         assert not source.wants(request, [k0]), f"{request.request_id} waits again"
-    assert fetcher._take_tasks(all_staged=True) == [], "no second fetch of k0"
+    assert fetcher._intake.take(all_staged=True) == [], "no second fetch of k0"
     for request in requests:
         source.request_finished(request)
     assert source._tasks == {} and source._fetching == {} and source._finished == []
@@ -1081,7 +1121,9 @@ def test_an_incompatible_handle_counts_each_item_encoded_here_once() -> None:
     assert source.wants(request, [Wanted("k0", 1, COLS)])
     lookup = _the_steps_lookup(machine, source)
     results = [("k0", OK, [(0, COLS * ITEMSIZE)])]
-    fetcher._apply(fetcher._links[peer], machine._reply(lookup, status=OK, results=results))
+    fetcher._lookups.apply(
+        fetcher._links.by_peer[peer], machine._reply(lookup, status=OK, results=results)
+    )
     _finish_reads(machine)
     assert not source.wants(request, [])
     counters = fetcher.counters
@@ -1135,7 +1177,7 @@ def test_a_read_whose_post_fails_but_that_nixl_keeps_holds_its_blocks_until_nixl
     task = _task("r0", KEYS[0])
     lookup = _asked(machine, task)
     reply = _ready_in_one_span(machine, lookup)
-    fetcher._apply(fetcher._links[peer], reply)
+    fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
     fetcher._tick(_now[0])
     assert task.done and task.items[KEYS[0]].outcome != "landed"
     entry = allocator.get(KEYS[0])
@@ -1162,7 +1204,7 @@ def test_a_read_nixl_refuses_at_once_counts_as_a_read_error() -> None:
     machine.agent.read = refuse  # type: ignore[method-assign]
     task = _task("r0", KEYS[0])
     lookup = _asked(machine, task)
-    fetcher._apply(fetcher._links[PEERS[0]], _ready_in_one_span(machine, lookup))
+    fetcher._lookups.apply(fetcher._links.by_peer[PEERS[0]], _ready_in_one_span(machine, lookup))
     fetcher._tick(_now[0])
     assert task.done and task.items[KEYS[0]].outcome == "read_error"
     assert allocator.get(KEYS[0]) is None
@@ -1198,7 +1240,7 @@ def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_setting
         lookup = _asked(machine, task)
         reply = _ready_in_one_span(machine, lookup)
         reply.lease_s = peers.lease_s
-        fetcher._apply(fetcher._links[peer], reply)
+        fetcher._lookups.apply(fetcher._links.by_peer[peer], reply)
         (read,) = machine.agent.running()
         _now[0] = task.deadline - 0.01  # ends within the fetch's deadline
         read.state = "DONE"
@@ -1219,7 +1261,7 @@ def test_a_shutdown_that_fails_part_way_still_closes_every_socket() -> None:
     def send_fails() -> None:
         raise zmq.ZMQError(zmq.EHOSTUNREACH, "a Release could not be sent")
 
-    fetcher._flush_releases = send_fails  # type: ignore[method-assign]
+    fetcher._releases.flush = send_fails  # type: ignore[method-assign]
     with pytest.raises(zmq.ZMQError):
         fetcher._shutdown()
     assert all(sock.closed for sock in machine.sockets.values())

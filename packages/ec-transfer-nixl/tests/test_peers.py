@@ -1005,8 +1005,8 @@ def _with_stuck_read(producer: Engine, consumer: Engine, item: Item, monkeypatch
     monkeypatch.setattr(fetcher.agent, "state", lambda handle: "PROC")
 
     def expire() -> None:
-        _wait_for(lambda: bool(fetcher._reads))
-        for group in list(fetcher._reads):
+        _wait_for(lambda: bool(fetcher._reads.running))
+        for group in list(fetcher._reads.running):
             group.deadline = time.monotonic()
 
     threading.Thread(target=expire, daemon=True).start()

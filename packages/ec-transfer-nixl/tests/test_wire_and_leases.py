@@ -11,7 +11,6 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
@@ -33,7 +32,6 @@ from ec_transfer_nixl.wire import (
     WireError,
     fingerprint,
     handle_signature,
-    held_by,
     open_frame,
     overrides_text,
     seal,
@@ -53,14 +51,20 @@ def test_messages_round_trip_when_signed_with_the_secret() -> None:
         status="ok",
         agent="a",
         agent_metadata=b"\x00\x01",
-        lease=3,
         lease_s=30.0,
         results=[("img", "ok", [(4096, 512)])],
+        leases=[3],
+        shapes=[(8, 128)],
     )
     claim = Lookup(
-        nonce=8, sent_at=1000.0, fingerprint="fp", items=[("img", 8, 128)], known_agent="a", claim=3
+        nonce=8,
+        sent_at=1000.0,
+        fingerprint="fp",
+        items=[("img", 8, 128)],
+        known_agent="a",
+        claims=[3],
     )
-    messages = (_lookup(), claim, Release(nonce=1, sent_at=1000.0, lease=3, keys=["img"]), reply)
+    messages = (_lookup(), claim, Release(nonce=1, sent_at=1000.0, leases=[(3, ["img"])]), reply)
     for message in messages:
         frame = seal(message, SECRET)
         assert isinstance(frame, bytes) and frame.startswith(MAGIC)
@@ -213,62 +217,6 @@ def test_spans_are_paired_into_equal_pieces_whatever_the_runs() -> None:
         list(paired_spans([(0, 8)], [(0, 7)]))
 
 
-def _before(message: type[msgspec.Struct], *added: str) -> Any:
-    """`message` as wire version 2 laid it out before its trailing fields `added`."""
-    fields = msgspec.structs.fields(message)
-    assert [f.name for f in fields[len(fields) - len(added) :]] == list(added), "trailing only"
-    kept = [
-        (f.name, f.type) if f.required else (f.name, f.type, f.default)
-        for f in fields[: len(fields) - len(added)]
-    ]
-    tag = message.__struct_config__.tag
-    return msgspec.defstruct(message.__name__, kept, array_like=True, tag=tag)
-
-
-_Lookup2 = _before(Lookup, "claims")
-_Release2 = _before(Release, "more")
-_Reply2 = _before(Reply, "leases", "shapes")
-
-
-def _seal2(message: msgspec.Struct) -> bytes:
-    body = MAGIC + msgspec.msgpack.encode(message)
-    return body + hmac.digest(SECRET, body, "sha256")
-
-
-def test_claims_of_several_leases_keep_wire_version_2_in_both_directions() -> None:
-    """The fields a batched claim added are trailing ones with defaults: the magic and
-    the fingerprint stay those of version 2; an older peer's messages read as the
-    defaults, and an older peer reads a batched claim as a claim of its first lease,
-    a batched Release as the release of its first lease."""
-    assert MAGIC == b"ECCPUTIER/2"
-    old = _Lookup2(7, 1000.0, "fp", [("a", 8, 128)], "agent", claim=3)
-    assert open_frame(_seal2(old), SECRET, now=1000.0) == Lookup(
-        7, 1000.0, "fp", [("a", 8, 128)], "agent", claim=3, claims=[]
-    )
-    old_reply = _Reply2(7, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)]), ("b", LAPSED, [])])
-    reply = open_frame(_seal2(old_reply), SECRET, now=1000.0)
-    assert isinstance(reply, Reply) and reply.leases == [] and reply.shapes == []
-    assert held_by(reply) == [3, 0], "an older producer's OK items are held by its `lease`"
-    old_release = _Release2(1, 1000.0, 3, ["a"], True)
-    assert open_frame(_seal2(old_release), SECRET, now=1000.0) == Release(
-        1, 1000.0, 3, ["a"], True, more=[]
-    )
-
-    batched = Lookup(8, 1000.0, "fp", [("a", 8, 128), ("b", 8, 128)], "p", claim=3, claims=[3, 4])
-    frame = seal(batched, SECRET)
-    decoded = msgspec.msgpack.decode(frame[len(MAGIC) : -32], type=_Lookup2)
-    assert (decoded.claim, decoded.items) == (3, batched.items)
-    release = Release(2, 1000.0, 3, ["a"], True, more=[(4, ["b"])])
-    decoded_release = msgspec.msgpack.decode(
-        seal(release, SECRET)[len(MAGIC) : -32], type=_Release2
-    )
-    assert (decoded_release.lease, decoded_release.keys) == (3, ["a"])
-    answer = Reply(
-        8, 1000.0, OK, "p", b"", 3, 30.0, [("a", OK, [(64, 8)])], leases=[3], shapes=[(2, 128)]
-    )
-    assert msgspec.msgpack.decode(seal(answer, SECRET)[len(MAGIC) : -32], type=_Reply2).lease == 3
-
-
 def test_several_handle_leases_are_claimed_and_given_back_together() -> None:
     released: list[str] = []
     clock = [0.0]
@@ -323,14 +271,13 @@ def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
     return server, allocator
 
 
-def _claim(items: list[str], claims: list[int], claim: int | None = None) -> Lookup:
+def _claim(items: list[str], claims: list[int]) -> Lookup:
     return Lookup(
         nonce=1,
         sent_at=1000.0,
         fingerprint="fp",
         items=[(key, 1, COLS) for key in items],
         known_agent="producer",
-        claim=claims[0] if claim is None else claim,
         claims=claims,
     )
 
@@ -346,31 +293,25 @@ def test_a_producer_answers_a_claim_of_several_leases_each_under_its_own() -> No
     (early,) = server._answer_all([_claim(["b"], [lb])])
     assert early.results[0][1] == OK and early.leases == [lb]
     (reply,) = server._answer_all([_claim(["a", "b", "c"], [la, lb, lc])])
-    assert reply.status == OK and reply.lease == la
+    assert reply.status == OK
     assert reply.results == [("a", OK, spans_a["a"]), ("b", LAPSED, []), ("c", OK, spans_c["c"])]
-    assert reply.leases == [la, 0, lc] and held_by(reply) == [la, 0, lc]
+    assert reply.leases == [la, 0, lc]
     (again,) = server._answer_all([_claim(["a", "c"], [la, lc])])
-    assert [status for _, status, _ in again.results] == [LAPSED, LAPSED] and again.lease == 0
-    release = Release(2, 1000.0, la, ["a"], read=True, more=[(lb, ["b"]), (lc, ["c"])])
+    assert [status for _, status, _ in again.results] == [LAPSED, LAPSED] and again.leases == [0, 0]
+    release = Release(2, 1000.0, [(la, ["a"]), (lb, ["b"]), (lc, ["c"])], read=True)
     server._give_back([release])
     assert not allocator.has_held_entries()
     assert server.counters.bytes_served == 3 * COLS * ITEMSIZE
     assert server.counters.lookups_served == 3
 
 
-def test_a_producer_still_answers_a_claim_of_one_lease_without_claims() -> None:
-    """A consumer that names no per-item leases claims them all under `claim`; claims
-    that do not match the items claim nothing (and pin nothing)."""
+def test_a_claim_that_names_no_lease_per_item_claims_nothing() -> None:
+    """Claims that do not match the items claim nothing (and pin nothing)."""
     server, allocator = _producer("a", "b")
-    lease, spans = server.grant_handle({"a": (1, COLS), "b": (1, COLS)})
-    (bad,) = server._answer_all([_claim(["a", "b"], [lease], claim=lease)])
-    assert [status for _, status, _ in bad.results] == [LAPSED, LAPSED] and bad.lease == 0
+    lease, _ = server.grant_handle({"a": (1, COLS), "b": (1, COLS)})
+    (bad,) = server._answer_all([_claim(["a", "b"], [lease])])
+    assert [status for _, status, _ in bad.results] == [LAPSED, LAPSED] and bad.leases == [0, 0]
     assert allocator.num_held_entries == 2, "a malformed claim claims nothing"
-    (reply,) = server._answer_all([_claim(["a", "b"], [], claim=lease)])
-    assert reply.lease == lease and reply.leases == [lease, lease]
-    assert reply.results == [("a", OK, spans["a"]), ("b", OK, spans["b"])]
-    server._give_back([Release(2, 1000.0, lease, ["a", "b"])])
-    assert not allocator.has_held_entries() and server.counters.bytes_served == 0
 
 
 def test_a_read_that_fails_in_nixl_reads_as_err_and_never_raises() -> None:
@@ -463,7 +404,7 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
         lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(lookup, SECRET))
         reply = open_frame(_answer(dealer), SECRET)
-        assert isinstance(reply, Reply) and reply.results[0][1] == OK and reply.lease
+        assert isinstance(reply, Reply) and reply.results[0][1] == OK and reply.leases[0]
         assert allocator.num_held_entries == 1
         agent.fail = True
         # Past the error's clean-up: waiting for the lease, or (were the pins handed
@@ -518,7 +459,7 @@ def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:
         )
         dealer.send(frame)
         reply = open_frame(_answer(dealer), SECRET)
-        assert isinstance(reply, Reply) and reply.lease and len(server.leases) == 1
+        assert isinstance(reply, Reply) and reply.leases[0] and len(server.leases) == 1
         dealer.send(frame)  # the same bytes again (a replay)
         deadline = time.monotonic() + WAIT_S
         while server.counters.requests_denied == 0 and time.monotonic() < deadline:
@@ -544,10 +485,10 @@ def test_a_release_meant_for_one_producer_does_not_release_another_producers_lea
     two, allocator_two = _producer("a")
     (first,) = one._answer_all([Lookup(1, 1000.0, "fp", [("a", 1, COLS)])])
     (second,) = two._answer_all([Lookup(1, 1000.0, "fp", [("a", 1, COLS)])])
-    assert first.lease and second.lease
-    two._give_back([Release(2, 1000.0, first.lease, ["a"], read=True)])
+    assert first.leases[0] and second.leases[0]
+    two._give_back([Release(2, 1000.0, [(first.leases[0], ["a"])], read=True)])
     assert allocator_two.get("a").pins == 1, "producer two's consumer still reads a"  # type: ignore[union-attr]
-    assert first.lease < 2**53 and second.lease < 2**53, "exact in a handle's JSON"
+    assert first.leases[0] < 2**53 and second.leases[0] < 2**53, "exact in a handle's JSON"
 
 
 def test_replays_are_refused_while_fresh_and_forgotten_after() -> None:

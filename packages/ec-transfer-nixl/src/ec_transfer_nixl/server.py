@@ -203,8 +203,8 @@ class PeerServer:
             if not socket.getsockopt(zmq.RCVMORE):
                 continue  # a frame without a routing id: not a peer's message
             body = recv(zmq.NOBLOCK)
-            while socket.getsockopt(zmq.RCVMORE):  # more frames: an older wire version's
-                recv(zmq.NOBLOCK)  # (its first frame says which, and it is refused)
+            while socket.getsockopt(zmq.RCVMORE):  # more frames: not this wire's message
+                recv(zmq.NOBLOCK)  # (its first frame is refused)
             received.append((routing, body))
         lookups: list[tuple[bytes, Lookup]] = []
         releases: list[Release] = []
@@ -240,15 +240,11 @@ class PeerServer:
 
     def _give_back(self, releases: list[Release]) -> None:
         """Every lease the messages of one batch release, with one release of their pins."""
-        returned = [
-            (lease, keys)
-            for release in releases
-            for lease, keys in [(release.lease, release.keys), *release.more]
-        ]
+        returned = [pair for release in releases for pair in release.leases]
         released = self.leases.give_back_many(returned)
         at = 0
         for release in releases:
-            count = 1 + len(release.more)
+            count = len(release.leases)
             if release.read:  # the READ is over: those bytes were served
                 self.counters.bytes_served += sum(
                     nbytes for pairs in released[at : at + count] for _, nbytes in pairs
@@ -270,14 +266,15 @@ class PeerServer:
                 status=OK,
                 agent=name,
                 agent_metadata=b"" if lookup.known_agent == name else metadata,
-                lease=0,
                 lease_s=self._lease_s,
                 results=[],
+                leases=[],
+                shapes=[],
             )
             replies.append(reply)
             if lookup.fingerprint != self._fingerprint:
                 reply.status = INCOMPATIBLE
-            elif lookup.claim:
+            elif lookup.claims:
                 self._claim(lookup, reply)
             else:
                 items = list({key: (key, r, c) for key, r, c in lookup.items}.values())
@@ -306,18 +303,17 @@ class PeerServer:
                     results.append((key, SAVING, []))
                 else:
                     results.append((key, SHAPE if state == "shape" else MISSING, []))
-            reply.lease = self.leases.grant(leased, self._lease_s)
+            lease = self.leases.grant(leased, self._lease_s)
+            reply.leases = [lease if status == OK else 0 for _, status, _ in results]
             counters.lookups_served += len(leased)
         return replies
 
     def _claim(self, lookup: Lookup, reply: Reply) -> None:
         """A consumer that READs with handles claims their leases (each item under its
-        own, `claims`, or all under `claim`): per item, the same spans if its lease
-        still pins it, else LAPSED; `reply.leases` says which lease holds each."""
+        own, `claims`): per item, the same spans if its lease still pins it, else
+        LAPSED; `reply.leases` says which lease holds each."""
         keys = [key for key, _, _ in lookup.items]
-        if not lookup.claims:
-            under = [lookup.claim] * len(keys)
-        elif len(lookup.claims) == len(keys):
+        if len(lookup.claims) == len(keys):
             under = lookup.claims
         else:  # malformed: nothing is claimed
             under = [0] * len(keys)
@@ -332,7 +328,6 @@ class PeerServer:
         by_lease: dict[int, list[str]] = {lease: [] for lease in asked.values() if lease}
         by_lease.update(keys_by_lease(asked, current))
         found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}
-        reply.lease = lookup.claim if lookup.claim in found else 0
         results, leases = reply.results, reply.leases
         served = 0
         for key, lease in asked.items():

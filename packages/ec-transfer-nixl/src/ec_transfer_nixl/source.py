@@ -25,7 +25,7 @@ are pinned from now for `ttl` seconds (`ec_peer_handle_lease_s`; off, and no
 claims and releases them, and `sig` (HMAC-SHA256 with the shared secret, over
 every other field) makes it unforgeable. A consumer that knows the
 producer's NIXL agent already READs them at once and confirms the lease while
-the READ runs (see `ec_transfer_nixl.fetcher`). The handle carries no NIXL
+the READ runs (see `ec_transfer_nixl.claims`). The handle carries no NIXL
 metadata: without the secret, nobody can read the producer's region with it.
 """
 
@@ -48,8 +48,9 @@ from ec_core.peer_settings import PeerAddress
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
-from ec_transfer_nixl.fetcher import Fetcher, FetchTask, HandleLease, ItemFetch
+from ec_transfer_nixl.fetcher import Fetcher
 from ec_transfer_nixl.server import PeerServer
+from ec_transfer_nixl.tasks import FetchTask, HandleLease, ItemFetch
 from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature, overrides_text
 
 if TYPE_CHECKING:

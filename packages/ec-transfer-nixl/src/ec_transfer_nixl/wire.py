@@ -6,28 +6,22 @@ one ZMQ frame:
 
     MAGIC + payload + mac     mac = HMAC-SHA256(secret, MAGIC + payload), 32 bytes
 
-`payload` is a msgspec-msgpack `Lookup`, `Release` or `Reply`. A message whose
+`payload` is a msgspec-msgpack `Lookup`, `Release` or `Reply`, every field
+always sent (a field's default only spares its writer the common value). A message whose
 mac does not verify, whose magic (wire version) differs, or whose `sent_at`
 is further than FRESH_S from the receiver's clock is dropped unanswered:
 without the secret a peer gets no answer, no pin and no address to read.
-One frame, not three: every ZMQ send or receive releases the GIL, and each
+One frame per message, not several: every ZMQ send or receive releases the GIL, and each
 time it is taken back costs a wait for whatever other thread holds it.
 
-A request-level handle (`handle_signature`) carries a pre-granted lease: the
+A lookup either asks for new leases or *claims* pre-granted ones. A
+request-level handle (`handle_signature`) carries a pre-granted lease: the
 spans of the producer's ready entries, pinned when the handle was made, and
-an HMAC over all of it, so a consumer starts its READ at once and the
-producer confirms the lease (a *claim*) while the READ runs. One claim can
-name the leases of several handles (`Lookup.claims`, one per item), and its
-Reply says per item which lease holds it (`Reply.leases`).
-
-Wire version 2 grew by trailing fields with defaults only (`Lookup.claims`,
-`Reply.leases`, `Reply.shapes`, `Release.more`): a peer without them ignores them, and one
-with them reads a message without them as the defaults, so both still speak
-version 2. A consumer sends each claim with `claim` set to its first lease, so
-a producer that knows no `claims` answers it as a claim of that lease alone
-(the items of the others come back LAPSED, and are looked up as usual); it
-never grants such a producer more than one lease per message, so it never
-sends it a `Release.more` it would not act on.
+an HMAC over all of it, so a consumer starts its READ at once and confirms the
+lease with a claim (a `Lookup` whose `claims` names, per item, the handle
+lease it is claimed under) while the READ runs. Every `Reply` says, per
+result, which lease holds the item for the consumer (`Reply.leases`), and a
+`Release` gives back any number of leases' keys in one message.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAGIC = f"ECCPUTIER/{WIRE_VERSION}".encode()
 MAC_BYTES = 32
 FRESH_S = 120.0
@@ -58,13 +52,13 @@ unknown): the consumer asks again with an ordinary lookup."""
 
 
 class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
-    """Consumer → producer: lease these items, of these shapes, for one fetch.
+    """Consumer → producer: lease these items, of these shapes, for one fetch; or,
+    with `claims`, claim the handle leases that already pin them.
 
-    With `claim` (a handle's lease id), no new lease: the producer confirms, per
-    item, that the handle's lease still pins it (OK, the same spans), and keeps
-    it pinned for `lease_s` more; a lease can be claimed once. With `claims`
-    too, each item is claimed under its own lease (several handles' leases in
-    one message); `claim` is then the first of them.
+    A claim takes no new lease: the producer confirms, per item, that the handle
+    lease it is claimed under still pins it (OK, the same spans), and keeps it
+    pinned for `lease_s` more; a lease can be claimed once. A claim whose `claims`
+    do not name one lease per item claims nothing (every item LAPSED).
     """
 
     nonce: int
@@ -75,36 +69,33 @@ class Lookup(msgspec.Struct, array_like=True, tag="lookup"):
     whatever width the producer holds it in (a consumer that measured no encoder
     output width for the item's modality)."""
     known_agent: str = ""
-    """The producer's NIXL agent this consumer knows already: its metadata is then
-    not sent again."""
-    claim: int = 0
+    """The producer's NIXL agent this consumer knows already (""; none): its metadata
+    is then not sent again."""
     claims: list[int] = []
-    """Per item (in the order of `items`), the handle lease it is claimed under;
-    empty: all under `claim`."""
+    """Empty: a lookup. Else a claim: per item (in the order of `items`), the handle
+    lease it is claimed under."""
 
 
 class Release(msgspec.Struct, array_like=True, tag="release"):
-    """Consumer → producer: the keys of a lease it will not read, or whose READ is over
+    """Consumer → producer: per lease, the keys it will not read, or whose READ is over
     (`read`: it completed, so the bytes were served)."""
 
     nonce: int
     sent_at: float
-    lease: int
-    keys: list[str]
+    leases: list[tuple[int, list[str]]]
+    """`(lease, keys)` per lease given back."""
     read: bool = False
-    more: list[tuple[int, list[str]]] = []
-    """Further `(lease, keys)` released the same way: one READ of several handles'
-    leases ends in one Release (sent only to a producer that granted them in one
-    claim's Reply, so one that reads `more`)."""
 
 
 class Reply(msgspec.Struct, array_like=True, tag="reply"):
-    """Producer → consumer: per item a status and, when `ok`, the addresses to read.
+    """Producer → consumer: per item a status and, when `ok`, the addresses to read and
+    the lease that pins it.
 
     `status` is INCOMPATIBLE for the whole message when the fingerprints
     differ (then `results` is empty). A leased item stays pinned on the
     producer until the consumer's Release or `lease_s` seconds. The agent's
-    metadata is empty when the lookup named this agent as known.
+    metadata is empty when the lookup named this agent as known. A consumer
+    drops a reply whose `leases` do not name one lease per result.
     """
 
     nonce: int
@@ -112,17 +103,16 @@ class Reply(msgspec.Struct, array_like=True, tag="reply"):
     status: str
     agent: str
     agent_metadata: bytes
-    lease: int
     lease_s: float
     results: list[tuple[str, str, list[tuple[int, int]]]]
     """`(key, status, [(address, nbytes), ...])` per item asked."""
-    leases: list[int] = []
-    """The answer to a claim: per result, the lease that holds it for this consumer
-    (0: none). Empty: every OK item is held by `lease`."""
-    shapes: list[tuple[int, int]] = []
+    leases: list[int]
+    """Per result, the lease that holds the item for this consumer (0: none)."""
+    shapes: list[tuple[int, int]]
     """The answer to a lookup: per result, the `(rows, cols)` the producer holds the
     item in ((0, 0): none), so a consumer that asked for any width learns it, and
-    one that was answered SHAPE can say what was on offer."""
+    one that was answered SHAPE can say what was on offer. Empty in the answer to a
+    claim (the handle named the shapes)."""
 
 
 Message = Lookup | Release | Reply
@@ -134,13 +124,6 @@ _HEAD = len(MAGIC)
 
 class WireError(ValueError):
     """A message that must be dropped: wrong version, mac, age or shape."""
-
-
-def held_by(reply: Reply) -> list[int]:
-    """Per result of `reply`, the lease that holds the item for the consumer (0: none)."""
-    if len(reply.leases) == len(reply.results):
-        return reply.leases
-    return [reply.lease if status == OK else 0 for _, status, _ in reply.results]
 
 
 def seal(message: Message, secret: bytes) -> bytes:
