@@ -3,8 +3,7 @@
 Every process derives the geometry here from the same config, so they all
 agree. Opening (mapping) the region is `ec_core.region.opening`'s job: this
 module never imports the mapping, so a process that needs only the geometry
-(the scheduler) does not load it. `open_region` and `create_ec_shared_region`
-resolve to that module on first use.
+(the scheduler) does not load it.
 """
 
 from __future__ import annotations
@@ -15,24 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ec_core.lazy import lazy_exports
 from ec_core.region.files import owner_digest, region_file_name
 from ec_core.settings import ECCPUSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ec_core.region.opening import create_ec_shared_region, open_region
-
-__all__ = ["RegionLayout", "create_ec_shared_region", "open_region", "region_layout"]
-
-__getattr__ = lazy_exports(
-    __name__,
-    {
-        "create_ec_shared_region": "ec_core.region.opening",
-        "open_region": "ec_core.region.opening",
-    },
-)
+__all__ = ["RegionLayout", "region_layout"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,8 +128,7 @@ class Claims:
 
         The READ goes first: a send wakes ZeroMQ's threads and, through them, the
         producer's server thread, and on a busy host they take the CPU before a READ
-        started after the send (measured on 2 cores: the fetcher thread got the CPU
-        back ~0.3 ms after a send, and over UCX_TLS=tcp handle fetches were 1-11%
+        started after the send could begin (the benchmark's handle fetches were
         slower in that order). Where the READ runs asynchronously (TCP, RDMA) the
         claim's round trip overlaps it all the same."""
         group, unread = self._reads.start_on_handles(peer, agent, batch)

@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ec_core._vllm import get_logger
-from ec_core.layout import open_region
 from ec_core.peer_settings import PeerAddress
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_core.region.opening import open_region
 from ec_transfer_nixl.agent import RegionAgent, Span
 from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.fetcher import Fetcher

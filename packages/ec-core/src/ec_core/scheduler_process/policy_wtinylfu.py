@@ -74,8 +74,8 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     Every event is O(1) amortised, except a duel, which walks at most
     `max_duel_victims` of the victims a candidate would displace (the
-    frequency expert's duel at most `shadow_duel_victims`: 32 left Table 1 as
-    it was with no bound, 8 moved its Zipf rows by up to 1.5 %), and a mode
+    frequency expert's duel at most `shadow_duel_victims`, a bound large enough
+    that the benchmark's hit ratios equal an unbounded duel's), and a mode
     change, which moves every entry once (at most once per sample, so O(1)
     amortised over the sample's requests). Memory: the sketch's fixed bytes,
     plus per-key state for the pool's entries, three ghost lists of at most
