@@ -135,3 +135,25 @@ def test_readmes_are_front_doors() -> None:
         assert site in text, f"{package.parent.name}: no link to the docs site"
         assert not re.search(r"/work/|/root/|/home/", text), package.parent.name
         assert "project README" not in text, package.parent.name
+
+
+def test_the_invariants_index_points_at_code_that_exists() -> None:
+    """Every path the architecture page's invariants index names exists, and every class
+    or function it names "in" a file is defined there: a module split or a rename
+    fails here instead of leaving the index pointing nowhere."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    index = page.split("## Invariants and where they are enforced", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in index.splitlines() if line.startswith("| ") and ".py`" in line]
+    assert len(rows) >= 10, "the invariants index lost its rows"
+    checked = 0
+    for row in rows:
+        where = row.rstrip(" |").rsplit(" | ", 1)[1]
+        for path in re.findall(r"`(packages/[^`]+\.py)`", where):
+            assert (ROOT / path).is_file(), f"the invariants index names a missing file: {path}"
+        for name, path in re.findall(r"`(\w+)(?:\.\w+)?` in `(packages/[^`]+\.py)`", where):
+            source = (ROOT / path).read_text()
+            assert re.search(rf"^\s*(class|def) {name}\b", source, re.M), (
+                f"the invariants index says {name} is in {path}; it is not"
+            )
+            checked += 1
+    assert checked >= 8
