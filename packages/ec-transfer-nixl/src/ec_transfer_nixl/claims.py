@@ -10,7 +10,6 @@ out first and the READ follows its answer (one round trip, as a lookup).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ec_transfer_nixl.lookups import LOOKUP_ITEMS_MAX
@@ -47,14 +46,12 @@ class Claims:
         lookups: Lookups,
         reads: Reads,
         shapes: Shapes,
-        busy: Callable[[], set[PeerAddress]],
     ) -> None:
         self._links = links
         self._asks = asks
         self._lookups = lookups
         self._reads = reads
         self._shapes = shapes
-        self._busy = busy
         self._claiming: dict[PeerAddress, list[tuple[FetchTask, list[ItemFetch]]]] = {}
         """Per producer, the handle tasks taken on in this pass and their items its
         leases cover: claimed together at the start of the next pass."""
@@ -69,7 +66,7 @@ class Claims:
         now CLAIMING."""
         handle = task.handle
         assert handle is not None
-        link = self._links.link(handle.peer, self._busy)
+        link = self._links.link(handle.peer)
         if not self._links.usable(link):
             return []
         claimed: list[ItemFetch] = []
@@ -93,7 +90,7 @@ class Claims:
         producer's agent this engine knows, one READ of them all, at once."""
         claiming, self._claiming = self._claiming, {}
         for peer, batch in claiming.items():
-            link = self._links.link(peer, self._busy)
+            link = self._links.link(peer)
             if not self._links.usable(link):
                 for task, items in batch:  # it became so since: asked (and failed) as usual
                     for item in items:

@@ -107,7 +107,12 @@ class Fetcher:
         agent = self._the_agent
         self._intake = Intake(clock)
         self._links = Links(
-            context=context, secret=secret, agent=agent, warnings=warnings, clock=clock
+            context=context,
+            secret=secret,
+            agent=agent,
+            warnings=warnings,
+            clock=clock,
+            busy=self._busy_peers,
         )
         self._asks = Asks()
         self._releases = Releases(links=self._links, secret=secret, nonces=nonces)
@@ -140,7 +145,6 @@ class Fetcher:
             secret=secret,
             fingerprint=fingerprint,
             nonces=nonces,
-            busy=self._busy_peers,
             clock=clock,
         )
         self._claims = Claims(
@@ -149,7 +153,6 @@ class Fetcher:
             lookups=self._lookups,
             reads=self._reads,
             shapes=shapes,
-            busy=self._busy_peers,
         )
         self._stop = threading.Event()
         self._ready = threading.Event()

@@ -67,24 +67,27 @@ class Links:
         agent: Callable[[], RegionAgent],
         warnings: RateLimitedWarnings,
         clock: Callable[[], float],
+        busy: Callable[[], Set[PeerAddress]],
     ) -> None:
         self._context = context
         self._secret = secret
         self._agent = agent
         self._warnings = warnings
         self._clock = clock
+        self._busy = busy
+        """The peers open work uses: their links are kept however many there are."""
         self.by_peer: dict[PeerAddress, Link] = {}
         """Peer -> its link (written here only; others read it)."""
         self._poller: zmq.Poller | None = None
         """Built again only once a link was added or dropped."""
 
-    def link(self, peer: PeerAddress, busy: Callable[[], Set[PeerAddress]]) -> Link:
+    def link(self, peer: PeerAddress) -> Link:
         """The link to `peer`, made if there is none (or its socket was refused and it
-        is down no more); `busy`: the peers open work uses, kept if links must go."""
+        is down no more); past LINKS_MAX, idle links go first."""
         link = self.by_peer.get(peer)
         if link is None or (link.socket is None and link.down_until <= self._clock()):
             if link is None and len(self.by_peer) >= LINKS_MAX:
-                self.drop_idle(busy())
+                self.drop_idle(self._busy())
             sock = None
             try:
                 sock = peer_socket(self._context, zmq.DEALER, peer)

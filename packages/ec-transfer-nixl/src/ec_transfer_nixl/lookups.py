@@ -67,7 +67,6 @@ class Lookups:
         secret: bytes,
         fingerprint: str,
         nonces: itertools.count[int],
-        busy: Callable[[], set[PeerAddress]],
         clock: Callable[[], float],
     ) -> None:
         self._links = links
@@ -78,7 +77,6 @@ class Lookups:
         self._secret = secret
         self._fingerprint = fingerprint
         self._nonces = nonces
-        self._busy = busy
         self._clock = clock
         self.pending: dict[int, Pending] = {}
         """Nonce -> the Lookup (or claim) sent with it, while its Reply is awaited."""
@@ -107,7 +105,7 @@ class Lookups:
         """Send one Lookup to `peer` for `wanted` (key -> its task and item); with
         `claims` (key -> handle lease), the claim of those leases (and `group`, the
         READ started on them). False if it could not be sent."""
-        link = self._links.link(peer, self._busy)
+        link = self._links.link(peer)
         now = self._clock()
         if link.incompatible or link.down_until > now:
             answer = "incompatible" if link.incompatible else "unreachable"
