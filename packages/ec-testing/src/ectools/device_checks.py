@@ -325,11 +325,17 @@ class Checks:
         return self.meta_class(step=self.step, **fields)
 
     def save(
-        self, worker: Any, sources: dict[str, torch.Tensor], saves: dict[str, list[int]]
+        self,
+        worker: Any,
+        sources: dict[str, torch.Tensor],
+        saves: dict[str, list[int]],
+        runs: dict[str, tuple[tuple[int, int], ...]] | None = None,
     ) -> Any:
+        """One step's saves; `runs`, as the scheduler sends them (else the worker finds them)."""
         meta = self.next_meta(
             saves=saves,
             save_shapes={key: tuple(sources[key].shape) for key in saves},
+            runs=runs or {},
         )
         worker.bind(meta)
         for key in saves:
@@ -339,11 +345,16 @@ class Checks:
         return worker.build_connector_worker_meta()
 
     def load(
-        self, worker: Any, shapes: dict[str, tuple[int, int]], saves: dict[str, list[int]]
+        self,
+        worker: Any,
+        shapes: dict[str, tuple[int, int]],
+        saves: dict[str, list[int]],
+        runs: dict[str, tuple[tuple[int, int], ...]] | None = None,
     ) -> tuple[dict[str, torch.Tensor], Any]:
+        """One step's loads; `runs` as for `save`."""
         loads = {key: (i, blocks, shapes[key]) for i, (key, blocks) in enumerate(saves.items())}
         out: dict[str, torch.Tensor] = {}
-        meta = self.next_meta(loads=loads)
+        meta = self.next_meta(loads=loads, runs=runs or {})
         worker.bind(meta)
         worker.start_load_caches(out, meta)
         worker.get_finished()
@@ -489,11 +500,15 @@ class Checks:
         pinned = torch.empty(rows, WIDTH, dtype=torch.bfloat16, pin_memory=not self.fake)
         loaded: dict[str, torch.Tensor] = {}
 
+        # The scheduler sends every entry's runs of consecutive blocks with its ids
+        # (its allocator keeps them), so the worker never walks the ids: time that.
+        runs = {"bw": ((0, rows),)}
+
         def save() -> None:
-            self.save(worker, {"bw": source}, {"bw": blocks})
+            self.save(worker, {"bw": source}, {"bw": blocks}, runs)
 
         def load() -> None:
-            out, _ = self.load(worker, {"bw": (rows, WIDTH)}, {"bw": blocks})
+            out, _ = self.load(worker, {"bw": (rows, WIDTH)}, {"bw": blocks}, runs)
             loaded.update(out)
 
         copies: dict[str, tuple[Callable[[], None], ...]] = {
@@ -529,13 +544,17 @@ class Checks:
                 c = torch.empty(size, size, device=self.device, dtype=dtype)
                 source = torch.randn(rows, WIDTH, device=self.device).to(dtype)
                 blocks = list(range(rows))
+                runs = {"ov": ((0, rows),)}
 
                 def matmuls(count: int) -> None:
                     for _ in range(count):
                         torch.matmul(a, b, out=c)
 
+                def save() -> None:
+                    self.save(worker, {"ov": source}, {"ov": blocks}, runs)
+
                 copy_s, one_mm_s = medians_in_turns(
-                    (lambda: self.save(worker, {"ov": source}, {"ov": blocks}), lambda: matmuls(1)),
+                    (save, lambda: matmuls(1)),
                     self.repeats,
                     self.sync,
                 )
