@@ -637,11 +637,12 @@ class Checks:
             elapsed = time.monotonic() - PROCESS_STARTED
             projected = spent_per_byte * nbytes
             if elapsed + projected > self.args.budget:
-                self.table.add(
-                    check,
-                    "skipped",
-                    f"projected {projected:.0f} s would pass the {self.args.budget:.0f} s budget",
+                why = (
+                    f"{elapsed:.0f} s spent and {projected:.0f} s projected would pass"
+                    if projected
+                    else f"{elapsed:.0f} s already spent passes"
                 )
+                self.table.add(check, "skipped", f"{why} the {self.args.budget:.0f} s budget")
                 continue
             if nbytes > _available_memory() // 2:
                 self.table.add(check, "skipped", "more than half the available host memory")
