@@ -33,6 +33,7 @@ from ectools.driving import (
     make_request,
     scheduler_output,
 )
+from ectools.peer_secrets import secret_keys
 
 WIDTH = 128
 SECRET = "a-test-secret-0123"
@@ -118,6 +119,7 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         dtype: str = "float32",
         parallel: dict[str, int] | None = None,
         widths: dict[str, int] | None = None,
+        secrets: tuple[str, ...] = (SECRET,),
         **peer: Any,
     ) -> Engine:
         """`parallel`: fields of `parallel_config` to set (what vLLM sets in each engine);
@@ -127,7 +129,7 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         region.mkdir()
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         extra = {"ec_cpu_bytes": blocks * WIDTH * itemsize, "ec_cpu_dir": str(region)}
-        extra.update({"ec_peer_secret": SECRET, **peer})
+        extra.update({**secret_keys(tmp_path / f"secret{len(made)}", *secrets), **peer})
         config = make_vllm_config(
             tiny_model_dir,
             role=role,
@@ -609,7 +611,7 @@ def test_a_steps_handles_are_read_with_one_read_and_one_lapsed_lease_is_looked_u
 def test_a_wrong_secret_gets_nothing(
     make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
 ) -> None:
-    producer, consumer, _ = _pair(make_engine, ec_peer_secret="another-secret-9876")
+    producer, consumer, _ = _pair(make_engine, secrets=("another-secret-9876",))
     producer.save(Item("img-s", 4))
     request = make_request("r", [Item("img-s", 4)])
     consumer.wait_available(request)
