@@ -59,7 +59,9 @@ CONCURRENCY = (1, 8, 64)
 def _config(model: str, region: Path, role: str, **peer: Any) -> Any:
     from ectools.configs import make_vllm_config
 
-    extra = {"ec_cpu_bytes": "600MiB", "ec_cpu_dir": str(region), "ec_peer_secret": SECRET}
+    # Through the environment, as engines take it (a secret in the config is refused).
+    os.environ["EC_CPU_TIER_PEER_SECRET"] = SECRET
+    extra = {"ec_cpu_bytes": "600MiB", "ec_cpu_dir": str(region)}
     extra.update(peer)
     return make_vllm_config(
         model, role=role, extra=extra, widths={"image": WIDTH}, dtype="bfloat16"
@@ -331,7 +333,7 @@ def _measure(model: str, region: Path, address: str, repeats: int) -> list[str]:
                         samples.append(arrived - sent[sock])
                     pending = [sock for sock in pending if sock not in replies]
                 for sock, frame in replies.items():
-                    reply = open_frame(frame, secret)
+                    reply = open_frame(frame, (secret,))
                     assert isinstance(reply, Reply) and reply.results[0][1] == "ok"
                     release = Release(0, time.time(), [(reply.leases[0], [key])], read=False)
                     sock.send(seal(release, secret))

@@ -100,3 +100,38 @@ def test_the_openai_server_exits_with_the_connectors_message(tiny_model_dir: str
     assert done.returncode != 0
     assert MESSAGE in output, output[-3000:]
     assert "EngineCore" not in output
+
+
+def test_a_secret_in_the_config_or_a_shared_secret_file_is_refused_before_anything_exists(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """Both refused where the config is built: no engine process, no region file, no
+    socket on the listen port."""
+    import socket
+
+    from ectools.peer_secrets import write_secret_file
+    from ectools.serving import free_port
+
+    port = free_port()
+    region = tmp_path / "region"
+    region.mkdir()
+    base = {
+        "ec_cpu_bytes": "1MiB",
+        "ec_cpu_dir": str(region),
+        "ec_peer_listen": f"127.0.0.1:{port}",
+    }
+    secret = "inline-secret-never-shown-1"
+    raised, output = _construct(tiny_model_dir, "ec_both", {**base, "ec_peer_secret": secret})
+    assert "['ec_peer_secret'] = <hidden> is refused: vLLM logs" in raised, output[-4000:]
+    assert "EC_CPU_TIER_PEER_SECRET" in raised and "ec_peer_secret_file" in raised
+    shared = write_secret_file(tmp_path / "shared-secret", secret)
+    Path(shared).chmod(0o640)
+    raised, output = _construct(tiny_model_dir, "ec_both", {**base, "ec_peer_secret_file": shared})
+    assert f"['ec_peer_secret_file'] = '{shared}'" in raised and "chmod 600" in raised, output[
+        -4000:
+    ]
+    assert secret not in raised
+    assert "EngineCore" not in output
+    assert list(region.iterdir()) == []
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # nobody listened on it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -85,6 +86,7 @@ def test_package_builds_a_typed_wheel(dist: str, wheels: dict[str, Path]) -> Non
     requires = {
         req.split(";")[0].split("~")[0].split("=")[0].split(">")[0].split("<")[0].strip()
         for req in metadata.get_all("Requires-Dist") or []
+        if "extra ==" not in req  # an extra is asked for by name (NIXL_EXTRAS)
     }
     assert internal_deps <= requires, f"{dist} must depend on {internal_deps}"
     assert not requires & FORBIDDEN_DEPENDENCIES, (
@@ -92,6 +94,29 @@ def test_package_builds_a_typed_wheel(dist: str, wheels: dict[str, Path]) -> Non
         "installs the right vLLM/torch build for its device"
     )
     assert metadata["Requires-Python"] == ">=3.11"
+
+
+NIXL_EXTRAS = {"cu12": "nixl-cu12", "cu13": "nixl-cu13"}
+"""ec-transfer-nixl's extras: a CUDA host names its CUDA major and gets NIXL (with its
+CUDA torch); a CPU host names none and installs NIXL by the recipe, without deps."""
+
+
+def test_the_nixl_extras_pin_the_recipes_nixl_and_nothing_else(wheels: dict[str, Path]) -> None:
+    with zipfile.ZipFile(wheels["ec-transfer-nixl"]) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(archive.read(name).decode())
+    assert set(metadata.get_all("Provides-Extra") or []) == set(NIXL_EXTRAS)
+    recipe = (ROOT / "requirements" / "install-nixl.sh").read_text()
+    version = re.search(r'"nixl-cu12==([\d.]+)"', recipe)
+    assert version is not None, "the CPU recipe pins nixl-cu12"
+    by_extra: dict[str, list[str]] = {}
+    for requirement in metadata.get_all("Requires-Dist") or []:
+        extra = re.search(r"""extra\s*==\s*["'](\w+)["']""", requirement)
+        if extra is not None:
+            by_extra.setdefault(extra.group(1), []).append(requirement.split(";")[0].strip())
+    assert by_extra == {
+        extra: [f"{wheel}=={version.group(1)}"] for extra, wheel in NIXL_EXTRAS.items()
+    }, "each extra pins its NIXL wheel at the CPU recipe's version"
 
 
 @pytest.mark.slow

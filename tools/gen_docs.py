@@ -143,7 +143,7 @@ def configuration_page() -> str:
         "Cross-engine keys",
         peer_settings.PeerSettings,
         peer_keys,
-        "Setting any of `ec_peer_listen`, `ec_peers` or a secret (the key or "
+        "Setting any of `ec_peer_listen`, `ec_peers` or a secret (`ec_peer_secret_file` or "
         f"`${peer_settings.SECRET_ENV}`) turns the cross-engine layer on "
         "(see [Across engines](../across-engines.md)); the other keys of this table are "
         "refused without one of them.",

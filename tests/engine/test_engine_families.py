@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from ec_core.peer_settings import SECRET_ENV
 from ectools.engine import (
     PATIENT_PEERS,
     EngineSpec,
@@ -133,9 +134,9 @@ def producer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     address = f"127.0.0.1:{free_port()}"
     region = tmp_path_factory.mktemp(f"{name}-encoder")
     spec = _tier(name, region, role="ec_producer", max_tokens=1)
+    spec.env[SECRET_ENV] = SECRET
     spec.extra.update(
         {
-            "ec_peer_secret": SECRET,
             "ec_peer_listen": address,
             **PATIENT_PEERS,
             "ec_peer_handle_lease_s": PATIENT_PEERS["ec_peer_lease_s"],
@@ -151,7 +152,8 @@ def _consumer(
     """A fresh pure `ec_consumer`, in-process (its encoder calls and counters are read),
     asking `peers` (None: no `ec_peers`, handles only)."""
     spec = _tier(name, region, role="ec_consumer", multiprocess=False, **changes)
-    spec.extra.update({"ec_peer_secret": SECRET, **PATIENT_PEERS})
+    spec.env[SECRET_ENV] = SECRET
+    spec.extra.update(PATIENT_PEERS)
     if peers is not None:
         spec.extra["ec_peers"] = peers
     return run_in_subprocess(spec)

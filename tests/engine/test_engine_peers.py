@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ec_core.peer_settings import SECRET_ENV
 from ectools.engine import (
     PATIENT_PEERS,
     TEST_PASSES,
@@ -31,6 +32,7 @@ from ectools.engine import (
     run_in_subprocess,
     serving,
 )
+from ectools.peer_secrets import secret_keys
 from ectools.runners import RUNNERS
 from ectools.serving import free_port
 from ectools.tiny_blip2 import TinyBlip2, build_tiny_blip2
@@ -42,11 +44,28 @@ ONE_PASS = [TEST_PASSES[0]]
 """The ten images once: what a consumer asks for."""
 
 
-def _spec(model_dir: str, region: Path, role: str, **peer: Any) -> EngineSpec:
+def _spec(
+    model_dir: str, region: Path, role: str, *, secret_in_env: bool = False, **peer: Any
+) -> EngineSpec:
+    """The secret in a file of its own (`ec_peer_secret_file`), or in the engine's
+    environment (`$EC_CPU_TIER_PEER_SECRET`), never in the config (refused)."""
     region.mkdir(parents=True, exist_ok=True)
     spec = connector_spec(model_dir, region, role=role, passes=ONE_PASS)
-    spec.extra.update({"ec_peer_secret": SECRET, **peer})
+    if secret_in_env:
+        spec.env[SECRET_ENV] = SECRET
+    else:
+        spec.extra.update(secret_keys(region.parent / f"{region.name}-secret", SECRET))
+    spec.extra.update(peer)
     return spec
+
+
+def assert_no_secret_logged(log: str, *secrets: str) -> None:
+    """`log` holds vLLM's "non-default args" line, whose ec_transfer_config names the
+    connector (so the check below could fail), and no secret."""
+    logged = [line for line in log.splitlines() if "non-default args" in line]
+    assert logged and "ec_transfer_config" in logged[0] and "ec_cpu_bytes" in logged[0], log[-3000:]
+    for secret in secrets:
+        assert secret not in log
 
 
 def _consumer(
@@ -65,7 +84,7 @@ def producer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An ec_both engine that saved the ten images and serves them on a port."""
     address = f"127.0.0.1:{free_port()}"
     region = tmp_path_factory.mktemp("producer-region")
-    spec = _spec(model_dir, region, "ec_both", ec_peer_listen=address)
+    spec = _spec(model_dir, region, "ec_both", secret_in_env=True, ec_peer_listen=address)
     with serving(spec) as (proc, printed):
         yield {"address": address, "region": region, "proc": proc, "printed": printed}
 
@@ -88,6 +107,11 @@ def test_a_consumer_serves_the_producers_images_without_encoding(
     assert result["counters"]["loads_completed"] == 10
     assert result["counters"]["held_entries"] == 0
     assert region_files(tmp_path / "region") == []
+    # The producer's secret is in its environment, the consumer's in a file: neither
+    # reaches a log (vLLM logs the whole ec_transfer_config at start-up).
+    assert "ec_peer_secret_file" in result["log"]
+    assert_no_secret_logged(result["log"], SECRET)
+    assert_no_secret_logged(producer["printed"]["log"], SECRET)
 
 
 def _consumer_with_handles(
@@ -209,7 +233,7 @@ def test_bad_peers_mean_a_local_encode_and_one_warning_each(
     nobody = f"127.0.0.1:{free_port()}"
     a = _spec(other, tmp_path / "a", "ec_both", ec_peer_listen=incompatible)
     b = _spec(model_dir, tmp_path / "b", "ec_both", ec_peer_listen=stranger)
-    b.extra["ec_peer_secret"] = "a-different-secret-7"
+    b.extra.update(secret_keys(tmp_path / "b-other-secret", "a-different-secret-7"))
     with serving(a), serving(b):
         result = _consumer(
             model_dir,

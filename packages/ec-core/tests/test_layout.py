@@ -11,6 +11,7 @@ from ec_core import layout
 from ec_core.layout import region_layout
 from ec_core.region.opening import create_ec_shared_region
 from ectools.configs import make_vllm_config
+from ectools.peer_secrets import secret_keys
 
 WIDTH = 128  # the tiny BLIP-2's text hidden size
 
@@ -43,7 +44,7 @@ def test_a_data_parallel_engine_listens_on_the_port_plus_its_index(
         "ec_cpu_bytes": 10_000,
         "ec_cpu_dir": str(tmp_path),
         "ec_peer_listen": "127.0.0.1:65533",
-        "ec_peer_secret": "a-test-secret-0123",
+        **secret_keys(tmp_path / "secret", "a-test-secret-0123"),
     }
     config = make_vllm_config(tiny_model_dir, role="ec_producer", extra=extra)
     parallel = config.parallel_config

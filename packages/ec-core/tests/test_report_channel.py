@@ -14,8 +14,10 @@ import pytest
 
 from ec_core import report_channel
 from ec_core.metadata import ECCPUWorkerReport
+from ec_core.peer_secrets import PeerSecrets
 
 SECRET = b"side-channel-secret"
+KEYS = PeerSecrets((SECRET.decode(),))
 
 
 def _report() -> ECCPUWorkerReport:
@@ -33,7 +35,7 @@ def _report() -> ECCPUWorkerReport:
 
 
 def test_a_report_survives_the_wire_unchanged() -> None:
-    assert report_channel.decode(report_channel.encode(_report(), SECRET), SECRET) == _report()
+    assert report_channel.decode(report_channel.encode(_report(), SECRET), (SECRET,)) == _report()
 
 
 @pytest.mark.parametrize(
@@ -48,7 +50,7 @@ def test_a_message_not_signed_with_the_secret_or_malformed_is_refused(
     frames: list[bytes],
 ) -> None:
     with pytest.raises(ValueError, match=r"signed|frames"):
-        report_channel.decode(frames, SECRET)
+        report_channel.decode(frames, (SECRET,))
 
 
 def _signed(payload: bytes) -> list[bytes]:
@@ -74,7 +76,7 @@ HOSTILE = [
 @pytest.mark.parametrize("payload", HOSTILE)
 def test_a_signed_but_malformed_report_is_refused_with_value_error(payload: bytes) -> None:
     with pytest.raises(ValueError, match="malformed"):
-        report_channel.decode(_signed(payload), SECRET)
+        report_channel.decode(_signed(payload), (SECRET,))
 
 
 @pytest.mark.parametrize(
@@ -88,15 +90,15 @@ def test_a_report_whose_stats_are_out_of_range_is_refused(value: str) -> None:
     )
     assert b"bytes_saved" in payload
     with pytest.raises(ValueError, match="out of range"):
-        report_channel.decode(_signed(payload), SECRET)
+        report_channel.decode(_signed(payload), (SECRET,))
 
 
 def test_drain_drops_malformed_reports_with_one_warning_and_keeps_the_good_ones(
     tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     address = report_channel.endpoint(f"{tmp_path}/region.mmap")
-    receiver = report_channel.ReportReceiver(address, SECRET)
-    sender = report_channel.ReportSender(address, SECRET)
+    receiver = report_channel.ReportReceiver(address, KEYS)
+    sender = report_channel.ReportSender(address, KEYS)
     raw = sender._socket  # the worker's socket: sends signed frames as they are
     channel_logger = logging.getLogger("vllm.ec_cpu.ec_core.report_channel")
     channel_logger.addHandler(caplog.handler)
@@ -129,7 +131,7 @@ def test_drain_returns_while_a_local_process_floods_the_channel(tmp_path: object
     import zmq
 
     address = report_channel.endpoint(f"{tmp_path}/region.mmap")
-    receiver = report_channel.ReportReceiver(address, SECRET)
+    receiver = report_channel.ReportReceiver(address, KEYS)
     real = receiver._socket
     calls = [0]
 
@@ -152,9 +154,9 @@ def test_drain_returns_while_a_local_process_floods_the_channel(tmp_path: object
 
 def test_reports_sent_by_a_worker_are_drained_by_the_scheduler(tmp_path: object) -> None:
     address = report_channel.endpoint(f"{tmp_path}/region.mmap")
-    receiver = report_channel.ReportReceiver(address, SECRET)
-    sender = report_channel.ReportSender(address, SECRET)
-    forger = report_channel.ReportSender(address, b"not-the-secret")
+    receiver = report_channel.ReportReceiver(address, KEYS)
+    sender = report_channel.ReportSender(address, KEYS)
+    forger = report_channel.ReportSender(address, PeerSecrets(("not-the-secret",)))
     try:
         forger.send(_report())
         sender.send(_report())

@@ -302,7 +302,6 @@ def test_both_report_bounds_zero_is_refused() -> None:
             {
                 "ec_cpu_bytes": 4096,
                 "ec_peers": ["h:1"],
-                "ec_peer_secret": "s3cret-for-tests",
                 "ec_peer_fetch_timeout_s": 10**400,
             },
             "ec_peer_fetch_timeout_s",
@@ -310,11 +309,12 @@ def test_both_report_bounds_zero_is_refused() -> None:
     ],
 )
 def test_an_out_of_range_number_is_the_settings_value_error(
-    extra: dict[str, object], key: str
+    extra: dict[str, object], key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Too large to compute with is malformed too: the parser's own ValueError naming
     the key (which the early check passes on), never decimal.Overflow or OverflowError
     (which it leaves for the engine, to fail cryptically in a worker)."""
+    monkeypatch.setenv("EC_CPU_TIER_PEER_SECRET", "s3cret-for-tests")
     with pytest.raises(ValueError, match=rf"\['{key}'\]"):
         ECCPUSettings.from_extra_config(extra, block_size_bytes=BLOCK, role="ec_both")
 

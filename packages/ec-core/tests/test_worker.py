@@ -26,6 +26,7 @@ from ec_core.worker_process.transfer import (
 )
 from ec_core.worker_process.worker import ECCPUWorker
 from ectools.configs import make_vllm_config
+from ectools.peer_secrets import secret_keys
 
 WIDTH = 128
 BLOCK = WIDTH * 4  # fp32 rows
@@ -702,7 +703,7 @@ def test_a_failed_construction_leaves_no_region_and_no_side_channel(
             "ec_cpu_bytes": 256 * BLOCK,
             "ec_cpu_dir": str(tmp_path),
             "ec_peer_listen": "127.0.0.1:5999",
-            "ec_peer_secret": "a-test-secret",
+            **secret_keys(tmp_path / "secret", "a-test-secret"),
         },
     )
     with pytest.raises((OSError, RuntimeError)):

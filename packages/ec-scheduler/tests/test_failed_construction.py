@@ -22,6 +22,7 @@ import ec_scheduler.connections as connections_module
 from ec_core.region.reservation import RegionReservation
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
+from ectools.peer_secrets import secret_keys
 
 SECRET = "a-test-secret-0123"
 
@@ -87,7 +88,7 @@ def test_a_failed_transport_releases_the_side_channel(tiny_model_dir: str, tmp_p
         "ec_cpu_bytes": "1MiB",
         "ec_cpu_dir": str(tmp_path),
         "ec_peer_listen": _free_address(),
-        "ec_peer_secret": SECRET,
+        **secret_keys(tmp_path / "secret", SECRET),
     }
     code = SCRIPT.format(model=tiny_model_dir, extra=extra)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -127,7 +128,7 @@ def test_a_failed_transport_closes_the_reservation_it_follows(
         "ec_cpu_bytes": "1MiB",
         "ec_cpu_dir": str(tmp_path),
         "ec_peer_listen": _free_address(),
-        "ec_peer_secret": SECRET,
+        **secret_keys(tmp_path / "secret", SECRET),
     }
     config = make_vllm_config(tiny_model_dir, role="ec_both", extra=extra, widths={"image": 128})
     with pytest.raises(RuntimeError, match="the transport failed"):

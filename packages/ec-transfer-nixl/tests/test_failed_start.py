@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ectools.peer_secrets import secret_keys
+
 SECRET = "a-test-secret-0123"
 
 SCRIPT = """
@@ -94,7 +96,7 @@ def test_a_failed_start_can_be_retried_in_the_same_process(
     extra: dict[str, object] = {
         "ec_cpu_bytes": 64 * 128 * 4,
         "ec_cpu_dir": str(tmp_path),
-        "ec_peer_secret": SECRET,
+        **secret_keys(tmp_path / "secret", SECRET),
     }
     if role != "ec_consumer":
         extra["ec_peer_listen"] = f"127.0.0.1:{_free_port()}"

@@ -49,6 +49,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from ec_core.peer_secrets import PeerSecrets
 from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries, Wanted
@@ -85,7 +86,7 @@ class FakeSocket:
         self.closed = False
 
     def send(self, frame: bytes, flags: int = 0) -> None:
-        self.sent.append(open_frame(frame, SECRET))
+        self.sent.append(open_frame(frame, (SECRET,)))
 
     def close(self, linger: int = 0) -> None:
         self.closed = True
@@ -173,7 +174,7 @@ def _fetcher_over(context: Any) -> tuple[Fetcher, BlockAllocator, LocalEntries]:
     )
     fetcher = Fetcher(
         context=context,
-        secret=SECRET,
+        keys=PeerSecrets((SECRET.decode(),)),
         fingerprint="fp",
         local=local,
         make_agent=FakeAgent,  # type: ignore[arg-type]
@@ -972,7 +973,7 @@ def _source_over(fetcher: Fetcher, local: LocalEntries) -> Any:
     source._settings = PeerSettings(
         listen=None,
         peers=PEERS[:1],
-        secret=SECRET.decode(),
+        secrets=(SECRET.decode(),),
         lookup_timeout_s=LOOKUP_S,
         fetch_timeout_s=FETCH_S,
     )
@@ -980,7 +981,7 @@ def _source_over(fetcher: Fetcher, local: LocalEntries) -> Any:
     source.counters = fetcher.counters
     source._warnings = RateLimitedWarnings(logger)
     source.fingerprint = "fp"
-    source._secret = SECRET
+    source._keys = PeerSecrets((SECRET.decode(),))
     source._tasks, source._fetching, source._finished = {}, {}, []
     source._negative = OrderedDict()
     source._closed = False
@@ -1210,19 +1211,21 @@ def test_a_read_nixl_refuses_at_once_counts_as_a_read_error() -> None:
     assert allocator.get(KEYS[0]) is None
 
 
-def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_settings_accept() -> None:
+def test_a_read_within_its_fetch_deadline_is_trusted_under_any_lease_the_settings_accept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The settings accept an `ec_peer_lease_s` only above `ec_peer_fetch_timeout_s`, so
     that a fetch within its deadline is never read under a lease that ended. The
     fetcher trusts a READ only if it ended LEASE_MARGIN_S before its lease's end: a
     lease the settings accept must leave room for that, or (say a lease of 1 s) every
     fetch is read and then thrown away as a `read_error`."""
-    from ec_core.peer_settings import parse_peer_settings
+    from ec_core.peer_settings import SECRET_ENV, parse_peer_settings
 
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
     accepted = 0
     for fetch_s, lease_s in [(0.5, 1.0), (0.5, 1.4), (2.0, 2.5), (0.5, 1.6), (10.0, 30.0)]:
         extra = {
             "ec_peers": [str(PEERS[0])],
-            "ec_peer_secret": SECRET.decode(),
             "ec_peer_lookup_timeout_s": fetch_s / 2,
             "ec_peer_fetch_timeout_s": fetch_s,
             "ec_peer_lease_s": lease_s,

@@ -33,6 +33,7 @@ from ectools.driving import (
     make_request,
     scheduler_output,
 )
+from ectools.peer_secrets import secret_keys, write_secret_file
 
 WIDTH = 128
 SECRET = "a-test-secret-0123"
@@ -118,6 +119,7 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         dtype: str = "float32",
         parallel: dict[str, int] | None = None,
         widths: dict[str, int] | None = None,
+        secrets: tuple[str, ...] = (SECRET,),
         **peer: Any,
     ) -> Engine:
         """`parallel`: fields of `parallel_config` to set (what vLLM sets in each engine);
@@ -127,7 +129,7 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
         region.mkdir()
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         extra = {"ec_cpu_bytes": blocks * WIDTH * itemsize, "ec_cpu_dir": str(region)}
-        extra.update({"ec_peer_secret": SECRET, **peer})
+        extra.update({**secret_keys(tmp_path / f"secret{len(made)}", *secrets), **peer})
         config = make_vllm_config(
             tiny_model_dir,
             role=role,
@@ -609,7 +611,7 @@ def test_a_steps_handles_are_read_with_one_read_and_one_lapsed_lease_is_looked_u
 def test_a_wrong_secret_gets_nothing(
     make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
 ) -> None:
-    producer, consumer, _ = _pair(make_engine, ec_peer_secret="another-secret-9876")
+    producer, consumer, _ = _pair(make_engine, secrets=("another-secret-9876",))
     producer.save(Item("img-s", 4))
     request = make_request("r", [Item("img-s", 4)])
     consumer.wait_available(request)
@@ -1100,3 +1102,75 @@ def test_an_item_without_input_waiting_on_another_requests_fetch(
     else:
         assert _fallbacks(consumer) == {"missing": 1}, "asked for once"
         assert not consumer.scheduler.allocator.has_held_entries()
+
+
+def test_three_engines_roll_to_a_new_secret_in_place_without_a_failed_fetch(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """Three `ec_both` engines that list each other, each with its own secret file, go
+    from secret A to B one engine at a time: [A] -> [A, B] -> [B, A] -> [B], each phase
+    on every engine before the next, by rewriting that engine's file while it runs.
+    After each rewrite the engine that changed serves an item to the other two and
+    fetches one from them; every fetch succeeds and no message is refused. (Each
+    save's request asks the peers first: "missing", one per save, is their answer,
+    authentic under every phase.)"""
+    a, b = "rolling-secret-A-0001", "rolling-secret-B-0002"
+    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(3)]
+    files = [write_secret_file(tmp_path / f"secret-file-{i}", a) for i in range(3)]
+    engines = [
+        make_engine(
+            "ec_both",
+            ec_peer_listen=address,
+            ec_peers=[other for other in addresses if other != address],
+            ec_peer_secret_file=files[i],
+            **PATIENT,
+        )
+        for i, address in enumerate(addresses)
+    ]
+    fetched = saved = 0
+
+    def save(into: int, key: str) -> None:
+        """Encode and save `key` in engine `into`, after its peers said they lack it."""
+        nonlocal saved
+        request = make_request(f"s-{key}", [Item(key, 4)])
+        engines[into].wait_available(request)
+        meta = StepDriver(engines[into].scheduler).step([request]).meta
+        assert set(meta.saves) == {key}
+        engines[into].run_step(meta)
+        saved += 1
+
+    def fetch(into: int, key: str) -> None:
+        nonlocal fetched
+        request = make_request(f"r-{key}-{into}", [Item(key, 4)])
+        engines[into].wait_available(request)
+        meta = StepDriver(engines[into].scheduler).step([request]).meta
+        assert set(meta.loads) == {key} and meta.saves == {}, f"{key} not fetched by {into}"
+        cache = engines[into].run_step(meta)
+        assert torch.equal(cache[key], payload(key, 4))
+        fetched += 1
+
+    for number, phase in enumerate([(a, b), (b, a), (b,)]):
+        for i in range(3):
+            write_secret_file(files[i], *phase)
+            keyring = engines[i].scheduler.remote._keys  # type: ignore[union-attr]
+            wanted = tuple(secret.encode() for secret in phase)
+            _wait_for(lambda: keyring.accepted == wanted)  # noqa: B023 (called at once)
+            served = f"img-{number}-{i}-served"
+            save(i, served)
+            for other in range(3):
+                if other != i:
+                    fetch(other, served)
+            brought = f"img-{number}-{i}-brought"
+            save((i + 1) % 3, brought)
+            fetch(i, brought)
+    assert fetched == 3 * 3 * 3
+    for engine in engines:
+        totals = engine.scheduler.stat_totals()
+        # A save's request asks the peers first: "missing" is their (authentic) answer.
+        assert set(_fallbacks(engine)) <= {"missing"}, "every fetch during the roll succeeded"
+        assert totals["peer_requests_denied"] == 0, "no message was refused"
+        assert engine.scheduler.remote._keys.reloads == 3  # type: ignore[union-attr]
+    assert sum(_fallbacks(e).get("missing", 0) for e in engines) == saved == 2 * 3 * 3
+    assert sum(e.scheduler.stat_totals()["remote_hits"] for e in engines) == fetched
+    # (The second engine to fetch an item may be offered it by both its peers.)
+    assert sum(e.scheduler.stat_totals()["peer_lookups_served"] for e in engines) >= fetched

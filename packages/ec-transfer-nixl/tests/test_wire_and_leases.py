@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
+from ec_core.peer_secrets import PeerSecrets
 from ec_core.peer_settings import PeerAddress
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.remote import LocalEntries
@@ -68,7 +69,7 @@ def test_messages_round_trip_when_signed_with_the_secret() -> None:
     for message in messages:
         frame = seal(message, SECRET)
         assert isinstance(frame, bytes) and frame.startswith(MAGIC)
-        assert open_frame(frame, SECRET, now=1000.0) == message
+        assert open_frame(frame, (SECRET,), now=1000.0) == message
 
 
 @pytest.mark.parametrize(
@@ -83,14 +84,14 @@ def test_messages_round_trip_when_signed_with_the_secret() -> None:
 def test_tampered_or_foreign_messages_are_refused(mutate: object, needle: str) -> None:
     frame = seal(_lookup(), SECRET)
     with pytest.raises(WireError, match=needle):
-        open_frame(mutate(frame), SECRET, now=1000.0)  # type: ignore[operator]
+        open_frame(mutate(frame), (SECRET,), now=1000.0)  # type: ignore[operator]
 
 
 def test_another_secret_or_a_stale_message_is_refused() -> None:
     with pytest.raises(WireError, match="not signed"):
-        open_frame(seal(_lookup(), b"another secret!!"), SECRET, now=1000.0)
+        open_frame(seal(_lookup(), b"another secret!!"), (SECRET,), now=1000.0)
     with pytest.raises(WireError, match="stale"):
-        open_frame(seal(_lookup(), SECRET), SECRET, now=1000.0 + FRESH_S + 1)
+        open_frame(seal(_lookup(), SECRET), (SECRET,), now=1000.0 + FRESH_S + 1)
     assert MAGIC.startswith(b"ECCPUTIER/")
 
 
@@ -100,14 +101,14 @@ def test_a_message_stamped_with_no_time_is_refused() -> None:
     which forgets in arrival order, would keep every later frame for good."""
     for sent_at in (math.nan, math.inf, -math.inf):
         with pytest.raises(WireError, match="stale"):
-            open_frame(seal(_lookup(sent_at=sent_at), SECRET), SECRET, now=1000.0)
+            open_frame(seal(_lookup(sent_at=sent_at), SECRET), (SECRET,), now=1000.0)
 
 
 def test_a_signed_but_malformed_payload_is_refused() -> None:
     payload = b"\x93\xa3bad"
     mac = hmac.new(SECRET, MAGIC + payload, hashlib.sha256).digest()
     with pytest.raises(WireError, match="malformed"):
-        open_frame(MAGIC + payload + mac, SECRET)
+        open_frame(MAGIC + payload + mac, (SECRET,))
 
 
 def test_a_handle_signature_covers_every_field() -> None:
@@ -257,7 +258,7 @@ def _producer(*keys: str) -> tuple[PeerServer, BlockAllocator]:
     server = PeerServer(
         context=None,  # type: ignore[arg-type]
         listen=PeerAddress("127.0.0.1", 1),
-        secret=SECRET,
+        keys=PeerSecrets((SECRET.decode(),)),
         fingerprint="fp",
         local=local,
         make_agent=None,  # type: ignore[arg-type]
@@ -368,7 +369,7 @@ def _serving(allocator_keys: tuple[str, ...] = ("a",)) -> tuple[Any, Any, BlockA
     server = PeerServer(
         context=context,
         listen=PeerAddress("127.0.0.1", port),
-        secret=SECRET,
+        keys=PeerSecrets((SECRET.decode(),)),
         fingerprint="fp",
         local=local,
         make_agent=lambda: agent,  # type: ignore[arg-type,return-value]
@@ -403,7 +404,7 @@ def test_a_server_that_stops_on_an_error_keeps_the_pins_of_leases_consumers_read
     try:
         lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(lookup, SECRET))
-        reply = open_frame(_answer(dealer), SECRET)
+        reply = open_frame(_answer(dealer), (SECRET,))
         assert isinstance(reply, Reply) and reply.results[0][1] == OK and reply.leases[0]
         assert allocator.num_held_entries == 1
         agent.fail = True
@@ -458,7 +459,7 @@ def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:
             SECRET,
         )
         dealer.send(frame)
-        reply = open_frame(_answer(dealer), SECRET)
+        reply = open_frame(_answer(dealer), (SECRET,))
         assert isinstance(reply, Reply) and reply.leases[0] and len(server.leases) == 1
         dealer.send(frame)  # the same bytes again (a replay)
         deadline = time.monotonic() + WAIT_S
@@ -469,7 +470,9 @@ def test_a_replayed_lookup_gets_no_answer_and_no_pin() -> None:
         assert len(server.leases) == 1 and allocator.get("a").pins == 1  # type: ignore[union-attr]
         fresh = Lookup(nonce=2, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(fresh, SECRET))
-        assert isinstance(open_frame(_answer(dealer), SECRET), Reply), "a new message is answered"
+        assert isinstance(open_frame(_answer(dealer), (SECRET,)), Reply), (
+            "a new message is answered"
+        )
     finally:
         assert server.stop()
         dealer.close(0)
@@ -499,16 +502,16 @@ def test_replays_are_refused_while_fresh_and_forgotten_after() -> None:
         (seal(Lookup(i, 1000.0 + i, "fp", [("a", 1, COLS)]), SECRET), 1000.0 + i) for i in range(3)
     ]
     for frame, sent_at in frames:
-        message = open_frame(frame, SECRET, sent_at)
+        message = open_frame(frame, (SECRET,), sent_at)
         assert replays.first(frame, message, sent_at)
         assert not replays.first(frame, message, sent_at), "the same frame again: a replay"
     frame, sent_at = frames[0]
-    message = open_frame(frame, SECRET, sent_at)
+    message = open_frame(frame, (SECRET,), sent_at)
     assert not replays.first(frame, message, sent_at + FRESH_S), "still fresh: refused"
     assert len(replays) == 3
     later = 1002.0 + FRESH_S + 1  # every frame is stale now: all are forgotten
     fresh = seal(Lookup(9, later, "fp", [("a", 1, COLS)]), SECRET)
-    assert replays.first(fresh, open_frame(fresh, SECRET, later), later)
+    assert replays.first(fresh, open_frame(fresh, (SECRET,), later), later)
     assert len(replays) == 1
 
 
@@ -530,7 +533,7 @@ def test_a_frame_over_the_size_bound_never_reaches_the_server(
         flooder.send(b"\0" * (128 << 10))
         lookup = Lookup(nonce=1, sent_at=time.time(), fingerprint="fp", items=[("a", 1, COLS)])
         dealer.send(seal(lookup, SECRET))
-        assert isinstance(open_frame(_answer(dealer), SECRET), Reply), "others are served"
+        assert isinstance(open_frame(_answer(dealer), (SECRET,)), Reply), "others are served"
         time.sleep(NO_ANSWER_MS / 1000)  # the big frame, had it been taken, is in by now
         assert server.counters.requests_denied == 0, "the oversized frame was read"
     finally:
@@ -589,7 +592,7 @@ def test_one_pass_of_the_server_ends_while_a_flood_lasts() -> None:
     server = PeerServer(
         context=zmq.Context.instance(),
         listen=PeerAddress("127.0.0.1", 1),
-        secret=SECRET,
+        keys=PeerSecrets((SECRET.decode(),)),
         fingerprint="fp",
         local=local,
         make_agent=lambda: None,  # type: ignore[arg-type,return-value]

@@ -13,21 +13,40 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ec_core.peer_secrets import (
+    KEY_SECRET,
+    KEY_SECRET_FILE,
+    MIN_SECRET_CHARS,
+    SECRET_ENV,
+    PeerSecrets,
+    file_error,
+    inline_secret_error,
+    read_secret_file,
+    secrets_from_env,
+)
+
+__all__ = [
+    "KEY_SECRET",
+    "KEY_SECRET_FILE",
+    "MIN_SECRET_CHARS",
+    "SECRET_ENV",
+    "PeerAddress",
+    "PeerSettings",
+    "parse_peer_settings",
+]
+
 KEY_LISTEN = "ec_peer_listen"
 KEY_PEERS = "ec_peers"
-KEY_SECRET = "ec_peer_secret"
 KEY_LOOKUP_TIMEOUT = "ec_peer_lookup_timeout_s"
 KEY_FETCH_TIMEOUT = "ec_peer_fetch_timeout_s"
 KEY_LEASE = "ec_peer_lease_s"
 KEY_HANDLE_LEASE = "ec_peer_handle_lease_s"
-SECRET_ENV = "EC_CPU_TIER_PEER_SECRET"
-"""Environment variable read when `ec_peer_secret` is not in the config (empty: unset)."""
 
 KEYS = frozenset(
     {
         KEY_LISTEN,
         KEY_PEERS,
-        KEY_SECRET,
+        KEY_SECRET_FILE,
         KEY_LOOKUP_TIMEOUT,
         KEY_FETCH_TIMEOUT,
         KEY_LEASE,
@@ -39,7 +58,6 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 DEFAULT_LEASE_S = 30.0
 LEASE_MARGIN_S = 1.0
 """A consumer trusts a READ only if it ended this long before its lease's end."""
-MIN_SECRET_CHARS = 8
 
 PRODUCER_ROLES = frozenset({"ec_producer", "ec_both"})
 CONSUMER_ROLES = frozenset({"ec_consumer", "ec_both"})
@@ -48,8 +66,7 @@ _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\
 
 
 def _invalid(key: str, value: object, reason: str) -> ValueError:
-    shown = "<hidden>" if key == KEY_SECRET else repr(value)
-    return ValueError(f"ec_connector_extra_config[{key!r}] = {shown} is invalid: {reason}")
+    return ValueError(f"ec_connector_extra_config[{key!r}] = {value!r} is invalid: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +111,9 @@ class PeerSettings:
     Guarantees: `listen` is set only for a producer role and `peers` only for a
     consumer role; `listen` is the address this engine itself listens on (the
     configured port plus its data-parallel index, at most 65535) and `peers`
-    never contains it; a secret of at least MIN_SECRET_CHARS characters that
-    encodes as UTF-8 is present (peers that do not share it get nothing); the
+    never contains it; at least one secret is present, each of at least
+    MIN_SECRET_CHARS characters that encode as UTF-8, none twice, and none came
+    from the config itself (peers that share none get nothing); the
     timeouts are finite and positive, and a producer's lease outlasts a
     consumer's fetch deadline by more than LEASE_MARGIN_S, so an entry is never
     released while a fetch within its deadline may still read it, and such a
@@ -113,10 +131,23 @@ class PeerSettings:
     IPv6 in brackets as for `ec_peer_listen`. A peer listed twice is refused; this
     engine's own address is skipped, so every engine of a deployment may get the
     same list."""
-    secret: str = field(repr=False, metadata={"key": KEY_SECRET, "default": f"`${SECRET_ENV}`"})
-    """Shared secret that signs every message: at least MIN_SECRET_CHARS (8)
-    characters of text that encodes as UTF-8 (hex or base64 of random bytes, say).
-    Required with any peer key; peers without it get no answer."""
+    secrets: tuple[str, ...] = field(repr=False)
+    """The shared secrets, from `$EC_CPU_TIER_PEER_SECRET` or `ec_peer_secret_file`: the
+    first signs every message, any of them verifies one (`ec_core.peer_secrets`)."""
+    secret_file: str | None = field(
+        default=None, metadata={"key": KEY_SECRET_FILE, "default": f"`${SECRET_ENV}`"}
+    )
+    """Absolute path of a file holding the shared secret, one secret a line; else the
+    secret is read from `$EC_CPU_TIER_PEER_SECRET` (several separated by commas or
+    whitespace); not both. Each secret: at least MIN_SECRET_CHARS (8) characters of
+    text that encodes as UTF-8 (hex or base64 of random bytes, say), none twice. The
+    first signs, any verifies, so a deployment rolls to a new secret without a
+    restart (see Security). The file must be a regular file owned by the engine's
+    user with no access for group or others (`chmod 600`); it is re-read within
+    about a second of a change, and a new content that fails these checks keeps the
+    old secrets (one warning a minute). Required with any peer key; peers without a
+    common secret get no answer. An inline `ec_peer_secret` is refused: vLLM logs
+    the whole `ec_transfer_config` at start-up."""
     lookup_timeout_s: float = field(
         default=DEFAULT_LOOKUP_TIMEOUT_S, metadata={"key": KEY_LOOKUP_TIMEOUT}
     )
@@ -137,6 +168,19 @@ class PeerSettings:
     sampling, streamed responses, several prompts), and their entries then stay
     pinned this long."""
 
+    @property
+    def secret(self) -> str:
+        """The secret this engine signs with at start-up (the first of `secrets`).
+
+        A running engine with `ec_peer_secret_file` may take others later: whatever
+        signs or verifies peer messages asks `ec_core.peer_secrets.PeerSecrets`
+        (`keyring`), not this."""
+        return self.secrets[0]
+
+    def keyring(self) -> PeerSecrets:
+        """A `PeerSecrets` over these secrets that follows `secret_file` when one is set."""
+        return PeerSecrets(self.secrets, self.secret_file)
+
 
 def parse_peer_settings(
     extra: Mapping[str, object], role: str | None, *, dp_index: int = 0
@@ -153,13 +197,15 @@ def parse_peer_settings(
     Raises ValueError naming the key (never showing a secret) for anything
     malformed, for a listen address on a consumer-only engine or whose port plus
     `dp_index` passes 65535, for peers on a producer-only engine, for peer keys
-    without a secret, and for a secret (from the config or the environment) that
-    does not encode as UTF-8.
+    without a secret, for an inline `ec_peer_secret` (always, with or without
+    other peer keys: vLLM logs the config), for secrets given both in the
+    environment and in a file, for a secret file that is not private to this
+    user, and for a secret that is too short, listed twice, or not UTF-8 text.
     """
-    # An empty variable is no secret (a template's default, an unset variable passed
-    # through): alone it must not turn the layer on, and then refuse the engine.
-    secret_raw = extra.get(KEY_SECRET, os.environ.get(SECRET_ENV) or None)
-    if KEY_LISTEN not in extra and KEY_PEERS not in extra and secret_raw is None:
+    if KEY_SECRET in extra:
+        raise inline_secret_error()
+    secrets, secret_file = _secrets(extra)
+    if KEY_LISTEN not in extra and KEY_PEERS not in extra and secrets is None:
         for key in (KEY_LOOKUP_TIMEOUT, KEY_FETCH_TIMEOUT, KEY_LEASE, KEY_HANDLE_LEASE):
             if key in extra:
                 raise _invalid(key, extra[key], f"set {KEY_LISTEN} or {KEY_PEERS} to use it")
@@ -198,22 +244,12 @@ def parse_peer_settings(
             raise _invalid(
                 KEY_PEERS, raw, f"only ec_consumer or ec_both fetch; this engine is {role}"
             )
-    if not isinstance(secret_raw, str) or len(secret_raw) < MIN_SECRET_CHARS:
-        raise _invalid(
-            KEY_SECRET,
-            secret_raw,
+    if secrets is None:
+        raise ValueError(
             f"a shared secret of at least {MIN_SECRET_CHARS} characters is required with "
-            f"{KEY_LISTEN} or {KEY_PEERS} (in the config or in ${SECRET_ENV})",
+            f"{KEY_LISTEN} or {KEY_PEERS}: set ${SECRET_ENV} in the engine's environment, or "
+            f"name a file holding it (chmod 600) in ec_connector_extra_config[{KEY_SECRET_FILE!r}]"
         )
-    try:
-        secret_raw.encode()  # what signs and checks every message
-    except UnicodeEncodeError:  # lone surrogates: bytes the environment could not decode
-        raise _invalid(
-            KEY_SECRET,
-            secret_raw,
-            f"the shared secret (in the config or in ${SECRET_ENV}) must be text that "
-            "encodes as UTF-8, e.g. hex or base64 of random bytes",
-        ) from None
     lookup = _seconds(extra, KEY_LOOKUP_TIMEOUT, DEFAULT_LOOKUP_TIMEOUT_S)
     fetch = _seconds(extra, KEY_FETCH_TIMEOUT, DEFAULT_FETCH_TIMEOUT_S)
     lease = _seconds(extra, KEY_LEASE, DEFAULT_LEASE_S)
@@ -236,7 +272,28 @@ def parse_peer_settings(
         raise _invalid(
             KEY_HANDLE_LEASE, extra[KEY_HANDLE_LEASE], f"must not exceed {KEY_LEASE} ({lease:g} s)"
         )
-    return PeerSettings(listen, peers, secret_raw, lookup, fetch, lease, handle_lease)
+    return PeerSettings(listen, peers, secrets, secret_file, lookup, fetch, lease, handle_lease)
+
+
+def _secrets(extra: Mapping[str, object]) -> tuple[tuple[str, ...] | None, str | None]:
+    """The secrets and the file they came from (None: from the environment); `(None,
+    None)` when neither gives any. An empty variable is no secret (a template's
+    default, an unset variable passed through): alone it must not turn the layer on."""
+    env = os.environ.get(SECRET_ENV) or None
+    if KEY_SECRET_FILE not in extra:
+        return (secrets_from_env(env) if env is not None else None), None
+    raw = extra[KEY_SECRET_FILE]
+    if not isinstance(raw, str) or not raw.strip():
+        raise _invalid(KEY_SECRET_FILE, raw, "expected the absolute path of a file")
+    if env is not None:
+        # Refused rather than ranked: a forgotten variable would otherwise silently win
+        # (or lose), and engines of one deployment could sign with different secrets.
+        raise file_error(
+            raw,
+            f"${SECRET_ENV} is set too; give the secret one way only (unset the variable, "
+            "or drop this key)",
+        )
+    return read_secret_file(raw), raw
 
 
 def _seconds(

@@ -26,11 +26,14 @@ import hashlib
 import hmac
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
+
+if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
 
 logger = get_logger(__name__)
 
@@ -72,7 +75,7 @@ def encode(report: ECCPUWorkerReport, secret: bytes) -> list[bytes]:
     return [payload, hmac.new(secret, payload, hashlib.sha256).digest()]
 
 
-def decode(frames: list[bytes], secret: bytes) -> ECCPUWorkerReport:
+def decode(frames: list[bytes], accepted: tuple[bytes, ...]) -> ECCPUWorkerReport:
     """The report in `frames`; ValueError when it must be dropped.
 
     Nothing else is raised, whatever the frames hold (a field of the wrong type,
@@ -81,8 +84,13 @@ def decode(frames: list[bytes], secret: bytes) -> ECCPUWorkerReport:
     if len(frames) != 2:
         raise ValueError(f"expected 2 frames, got {len(frames)}")
     payload, mac = frames
-    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
-        raise ValueError("not signed with this engine's ec_peer_secret")
+    # Any of the engine's secrets: its worker may take a rolled secret file a moment
+    # before or after its scheduler does (`ec_core.peer_secrets`).
+    if not any(
+        hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest())
+        for secret in accepted
+    ):
+        raise ValueError("not signed with any of this engine's peer secrets")
     try:
         return _report(json.loads(payload))
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
@@ -118,11 +126,11 @@ def _stat(value: Any) -> float:
 class _End:
     """One end of the channel: its own ZeroMQ context and socket (LINGER 0)."""
 
-    def __init__(self, kind: str, secret: bytes) -> None:
+    def __init__(self, kind: str, keys: PeerSecrets) -> None:
         import zmq
 
         self._zmq = zmq
-        self._secret = secret
+        self._keys = keys
         self._context: Any = zmq.Context()
         self._socket: Any = self._context.socket(getattr(zmq, kind))
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -135,21 +143,21 @@ class _End:
 class ReportSender(_End):
     """A worker's end: `send` never blocks and never raises for a missing scheduler."""
 
-    def __init__(self, address: str, secret: bytes) -> None:
-        super().__init__("PUSH", secret)
+    def __init__(self, address: str, keys: PeerSecrets) -> None:
+        super().__init__("PUSH", keys)
         self._socket.setsockopt(self._zmq.SNDHWM, SEND_HWM)
         self._socket.connect(address)
 
     def send(self, report: ECCPUWorkerReport) -> None:
         with contextlib.suppress(self._zmq.Again):  # the queue is full: dropped
-            self._socket.send_multipart(encode(report, self._secret), self._zmq.NOBLOCK)
+            self._socket.send_multipart(encode(report, self._keys.signing), self._zmq.NOBLOCK)
 
 
 class ReportReceiver(_End):
     """The scheduler's end: `drain` returns the reports sent since the last call."""
 
-    def __init__(self, address: str, secret: bytes) -> None:
-        super().__init__("PULL", secret)
+    def __init__(self, address: str, keys: PeerSecrets) -> None:
+        super().__init__("PULL", keys)
         self._socket.bind(address)
         self.dropped = 0
         """Messages that did not verify or decode."""
@@ -165,7 +173,7 @@ class ReportReceiver(_End):
             except self._zmq.Again:
                 break
             try:
-                reports.append(decode(frames, self._secret))
+                reports.append(decode(frames, self._keys.accepted))
             except ValueError as e:
                 self.dropped += 1
                 self._warn("dropped", "EC CPU tier: dropped a report on the side channel: %s", e)

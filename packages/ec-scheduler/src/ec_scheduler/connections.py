@@ -91,7 +91,7 @@ class Connections:
             if settings.peers is not None:
                 if report_channel.needed(vllm_config, listening=serves_peers(settings)):
                     self.side_reports = ReportReceiver(
-                        report_channel.endpoint(layout.path), settings.peers.secret.encode()
+                        report_channel.endpoint(layout.path), settings.peers.keyring()
                     )
                 self.remote = load_remote_source(vllm_config, layout, local_entries())
         except BaseException:

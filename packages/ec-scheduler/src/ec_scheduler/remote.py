@@ -109,7 +109,7 @@ def load_remote_source(
     entries = list(importlib.metadata.entry_points(group=TRANSPORT_GROUP))
     if not entries:
         raise ValueError(
-            "EC CPU tier: ec_peer_listen / ec_peers / ec_peer_secret are set, but no "
+            "EC CPU tier: ec_peer_listen / ec_peers / a peer secret are set, but no "
             "cross-engine transport is installed; install ec-transfer-nixl "
             "(pip install ec-transfer-nixl, plus NIXL as its README says)"
         )

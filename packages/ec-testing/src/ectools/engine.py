@@ -76,6 +76,9 @@ class EngineSpec:
     shutdown_grace_s: int | None = None
     """How long vLLM lets the engine's processes shut down before it SIGKILLs them
     (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`); None keeps vLLM's 5 s."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the engine's process besides `engine_env`'s (e.g. the
+    peer secret, `EC_CPU_TIER_PEER_SECRET`)."""
 
 
 TEST_PASSES = [list(range(10)), list(range(10))]
@@ -364,7 +367,7 @@ def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
         [sys.executable, "-m", "ectools.engine", spec_json(spec)],
         stdout=subprocess.PIPE,
         text=True,
-        env=engine_env(spec.runner),
+        env={**engine_env(spec.runner), **spec.env},
         cwd=ROOT,
         **popen,
     )
@@ -447,14 +450,18 @@ def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
 def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """An engine that has run its passes and keeps running (and serving peers).
 
-    Yields the process and what it printed (`passes`, `handles`); SIGKILLs its
-    process group on exit and waits until its region files are let go.
+    Yields the process and what it printed (`passes`, `handles`, and under "log" its
+    whole output, stdout and stderr, until it printed that); SIGKILLs its process
+    group on exit and waits until its region files are let go.
     """
     held = replace(spec, hold_after_pass=len(spec.passes) - 1)
     with tempfile.TemporaryFile("a+") as log:  # appends: shared with the engine
         proc, line = _start_until(held, "READY", log)
         try:
-            yield proc, json.loads(line[len("READY ") :])
+            printed = json.loads(line[len("READY ") :])
+            log.seek(0)
+            printed["log"] = log.read()
+            yield proc, printed
         except BaseException:
             log.seek(0)
             sys.stderr.write(log.read()[-6000:])

@@ -17,12 +17,15 @@ from typing import Any
 Span = tuple[int, int]
 """`(address, nbytes)`: a contiguous byte range."""
 
-NIXL_REQUIREMENT = "nixl-cu12==1.5.1 (pip install --no-deps nixl-cu12==1.5.1)"
+NIXL_REQUIREMENT = (
+    "NIXL 1.5.1: on a CUDA host `pip install ec-transfer-nixl[cu12]` (or [cu13]); on a "
+    "CPU host `pip install --no-deps nixl-cu12==1.5.1` (it would pull a CUDA torch)"
+)
 
 
 def nixl_api() -> Any:
     """NIXL's Python API module, or ImportError saying what to install."""
-    for module in ("nixl_cu12._api", "nixl._api"):
+    for module in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:
             return importlib.import_module(module)
         except ImportError:

@@ -107,7 +107,7 @@ class Deadlines:
                 item.answers[peer] = "unreachable"
                 if tried:
                     self._links.down(
-                        peer, "no answer in time (wrong ec_peer_secret, stopped, or overloaded)"
+                        peer, "no answer in time (no common peer secret, stopped, or overloaded)"
                     )
         causes = set(item.answers.values())
         cause = next((c for c in CAUSE_ORDER if c in causes), None)

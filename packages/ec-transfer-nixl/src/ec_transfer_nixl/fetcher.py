@@ -56,6 +56,7 @@ from ec_transfer_nixl.shapes import Shapes
 from ec_transfer_nixl.stages import Stage
 
 if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
     from ec_core.peer_settings import PeerAddress
     from ec_scheduler.remote import LocalEntries
     from ec_transfer_nixl.tasks import FetchTask
@@ -83,7 +84,7 @@ class Fetcher:
         self,
         *,
         context: zmq.Context[Any],
-        secret: bytes,
+        keys: PeerSecrets,
         fingerprint: str,
         local: LocalEntries,
         make_agent: Callable[[], RegionAgent],
@@ -108,14 +109,14 @@ class Fetcher:
         self._intake = Intake(clock)
         self._links = Links(
             context=context,
-            secret=secret,
+            keys=keys,
             agent=agent,
             warnings=warnings,
             clock=clock,
             busy=self._busy_peers,
         )
         self._asks = Asks()
-        self._releases = Releases(links=self._links, secret=secret, nonces=nonces)
+        self._releases = Releases(links=self._links, keys=keys, nonces=nonces)
         self._quarantine = Quarantine(local=local, agent=agent, releases=self._releases)
         self._deadlines = Deadlines(
             counters=counters, on_failed=on_failed, links=self._links, asks=self._asks
@@ -142,7 +143,7 @@ class Fetcher:
             reads=self._reads,
             releases=self._releases,
             shapes=shapes,
-            secret=secret,
+            keys=keys,
             fingerprint=fingerprint,
             nonces=nonces,
             clock=clock,

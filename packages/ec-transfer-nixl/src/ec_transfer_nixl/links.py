@@ -19,6 +19,7 @@ from ec_transfer_nixl.sockets import peer_socket
 from ec_transfer_nixl.wire import Reply, WireError, open_frame
 
 if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
     from ec_core.peer_settings import PeerAddress
     from ec_transfer_nixl.agent import RegionAgent
 
@@ -63,14 +64,14 @@ class Links:
         self,
         *,
         context: zmq.Context[Any],
-        secret: bytes,
+        keys: PeerSecrets,
         agent: Callable[[], RegionAgent],
         warnings: RateLimitedWarnings,
         clock: Callable[[], float],
         busy: Callable[[], Set[PeerAddress]],
     ) -> None:
         self._context = context
-        self._secret = secret
+        self._keys = keys
         self._agent = agent
         self._warnings = warnings
         self._clock = clock
@@ -183,7 +184,7 @@ class Links:
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 frame = sock.recv(zmq.NOBLOCK)
                 try:
-                    reply = open_frame(frame, self._secret)
+                    reply = open_frame(frame, self._keys.accepted)
                 except WireError as exc:
                     self._warnings.warn("bad-reply", "EC CPU tier: dropped a peer reply: %s", exc)
                     continue

@@ -16,6 +16,7 @@ import zmq
 from ec_transfer_nixl.wire import INCOMPATIBLE, LAPSED, OK, SAVING, SHAPE, Lookup, Reply, seal
 
 if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
     from ec_core.peer_settings import PeerAddress
     from ec_transfer_nixl.asks import Asked, Asks
     from ec_transfer_nixl.links import Link, Links
@@ -64,7 +65,7 @@ class Lookups:
         reads: Reads,
         releases: Releases,
         shapes: Shapes,
-        secret: bytes,
+        keys: PeerSecrets,
         fingerprint: str,
         nonces: itertools.count[int],
         clock: Callable[[], float],
@@ -74,7 +75,7 @@ class Lookups:
         self._reads = reads
         self._releases = releases
         self._shapes = shapes
-        self._secret = secret
+        self._keys = keys
         self._fingerprint = fingerprint
         self._nonces = nonces
         self._clock = clock
@@ -124,7 +125,7 @@ class Lookups:
         )
         try:
             assert link.socket is not None  # a link without one is down
-            link.socket.send(seal(lookup, self._secret), zmq.NOBLOCK)
+            link.socket.send(seal(lookup, self._keys.signing), zmq.NOBLOCK)
         except zmq.Again:
             # Not connected (yet): IMMEDIATE queues nothing for it. Try again soon;
             # at the lookup deadline it counts as unreachable.

@@ -17,6 +17,7 @@ from ec_transfer_nixl.leases import keys_by_lease
 from ec_transfer_nixl.wire import Release, seal
 
 if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
     from ec_core.peer_settings import PeerAddress
     from ec_transfer_nixl.links import Link, Links
 
@@ -31,9 +32,9 @@ class Releases:
     the producer's lease then expires by itself.
     """
 
-    def __init__(self, *, links: Links, secret: bytes, nonces: itertools.count[int]) -> None:
+    def __init__(self, *, links: Links, keys: PeerSecrets, nonces: itertools.count[int]) -> None:
         self._links = links
-        self._secret = secret
+        self._keys = keys
         self._nonces = nonces
         self._queued: list[tuple[PeerAddress, dict[int, list[str]], bool]] = []
         """Releases to send at the end of this pass: peer, keys by lease, and whether
@@ -52,7 +53,7 @@ class Releases:
             nonce=next(self._nonces), sent_at=time.time(), leases=list(leases.items()), read=read
         )
         with contextlib.suppress(zmq.Again):  # else the producer's lease expires by itself
-            link.socket.send(seal(release, self._secret), zmq.NOBLOCK)
+            link.socket.send(seal(release, self._keys.signing), zmq.NOBLOCK)
 
     def unneeded(self, link: Link, held: Mapping[str, int], keys: list[str]) -> None:
         """Give back at once the pins of `keys` (`held`: the lease of each) that this

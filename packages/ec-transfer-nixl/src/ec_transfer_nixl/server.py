@@ -41,6 +41,7 @@ from ec_transfer_nixl.wire import (
 )
 
 if TYPE_CHECKING:
+    from ec_core.peer_secrets import PeerSecrets
     from ec_core.peer_settings import PeerAddress
     from ec_scheduler.remote import LocalEntries
 
@@ -67,7 +68,7 @@ class PeerServer:
         *,
         context: zmq.Context[Any],
         listen: PeerAddress,
-        secret: bytes,
+        keys: PeerSecrets,
         fingerprint: str,
         local: LocalEntries,
         make_agent: Callable[[], RegionAgent],
@@ -79,7 +80,7 @@ class PeerServer:
     ) -> None:
         self._context = context
         self._listen = listen
-        self._secret = secret
+        self._keys = keys
         self._fingerprint = fingerprint
         self._local = local
         self._make_agent = make_agent
@@ -209,9 +210,10 @@ class PeerServer:
         lookups: list[tuple[bytes, Lookup]] = []
         releases: list[Release] = []
         now = time.time()
+        accepted = self._keys.accepted
         for routing, body in received:
             try:
-                message = open_frame(body, self._secret, now)
+                message = open_frame(body, accepted, now)
             except WireError as exc:
                 self.counters.requests_denied += 1
                 self._warnings.warn("denied", "EC CPU tier: dropped a peer message: %s", exc)
@@ -230,9 +232,10 @@ class PeerServer:
             return
         replies = self._answer_all([lookup for _, lookup in lookups])
         send = socket.send
+        signing = self._keys.signing
         for (routing, _), reply in zip(lookups, replies, strict=True):
             send(routing, zmq.SNDMORE)
-            send(seal(reply, self._secret))
+            send(seal(reply, signing))
         self.answer_seconds.append(time.perf_counter() - began)
         self.batch_sizes.append(len(lookups))
         self.busy_seconds += time.thread_time() - began_cpu

@@ -32,7 +32,6 @@ metadata: without the secret, nobody can read the producer's region with it.
 from __future__ import annotations
 
 import collections
-import hmac
 import os
 import socket
 import time
@@ -51,7 +50,13 @@ from ec_transfer_nixl.counters import PeerCounters
 from ec_transfer_nixl.fetcher import Fetcher
 from ec_transfer_nixl.server import PeerServer
 from ec_transfer_nixl.tasks import FetchTask, HandleLease, ItemFetch
-from ec_transfer_nixl.wire import WIRE_VERSION, fingerprint, handle_signature, overrides_text
+from ec_transfer_nixl.wire import (
+    WIRE_VERSION,
+    fingerprint,
+    handle_signature,
+    handle_signed,
+    overrides_text,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,7 +115,7 @@ class NixlRemoteSource:
         """Tasks of finished requests whose items `_fetching` may still name."""
         self._negative: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._closed = False
-        secret = self._secret = peers.secret.encode()
+        keys = self._keys = peers.keyring()
         self.server: PeerServer | None = None
         self.fetcher: Fetcher | None = None
         self.advertised = _advertised(peers.listen) if peers.listen is not None else None
@@ -119,7 +124,7 @@ class NixlRemoteSource:
                 self.server = PeerServer(
                     context=self._context,
                     listen=peers.listen,
-                    secret=secret,
+                    keys=keys,
                     fingerprint=self.fingerprint,
                     local=local,
                     make_agent=lambda: self._agent("serve"),
@@ -133,7 +138,7 @@ class NixlRemoteSource:
             if ec_config.is_ec_consumer:
                 self.fetcher = Fetcher(
                     context=self._context,
-                    secret=secret,
+                    keys=keys,
                     fingerprint=self.fingerprint,
                     local=local,
                     make_agent=lambda: self._agent("fetch"),
@@ -300,8 +305,7 @@ class NixlRemoteSource:
             return None
         try:
             fields = _lease_fields(handle, lease)
-            signed = handle_signature(self._secret, fields)
-            if not hmac.compare_digest(signed, str(lease["sig"])):
+            if not handle_signed(self._keys.accepted, fields, str(lease["sig"])):
                 self._warnings.warn(
                     "handle-sig", "EC CPU tier: ignoring a handle lease not signed with the secret"
                 )
@@ -378,7 +382,9 @@ class NixlRemoteSource:
                     "issued": time.time(),
                     "ttl": self.server.handle_lease_s,
                 }
-                granted["sig"] = handle_signature(self._secret, _lease_fields(handle, granted))
+                granted["sig"] = handle_signature(
+                    self._keys.signing, _lease_fields(handle, granted)
+                )
                 handle["lease"] = granted
         return {HANDLE_KEY: handle}
 

@@ -6,6 +6,10 @@ one ZMQ frame:
 
     MAGIC + payload + mac     mac = HMAC-SHA256(secret, MAGIC + payload), 32 bytes
 
+`secret` is the sender's signing secret; a receiver accepts a mac made with any
+of its secrets (`ec_core.peer_secrets`: the first signs, any verifies), which is
+how a deployment rolls to a new secret without stopping.
+
 `payload` is a msgspec-msgpack `Lookup`, `Release` or `Reply`, every field
 always sent (a field's default only spares its writer the common value). A message whose
 mac does not verify, whose magic (wire version) differs, or whose `sent_at`
@@ -132,15 +136,18 @@ def seal(message: Message, secret: bytes) -> bytes:
     return body + _digest(secret, body, "sha256")
 
 
-def open_frame(frame: bytes, secret: bytes, now: float | None = None) -> Message:
-    """The message in `frame`, or WireError when it must be dropped unanswered."""
+def open_frame(frame: bytes, accepted: tuple[bytes, ...], now: float | None = None) -> Message:
+    """The message in `frame`, or WireError when it must be dropped unanswered.
+
+    `accepted`: the secrets a mac may be made with, the signing one first (checked
+    in order, so a frame from a peer that signs as this one does costs one HMAC)."""
     if not frame.startswith(MAGIC):
         raise WireError(f"wire version {frame[:32]!r}, this peer speaks {MAGIC!r}")
     if len(frame) < _HEAD + MAC_BYTES:
         raise WireError(f"a frame of {len(frame)} bytes is too short")
     body = frame[:-MAC_BYTES]
-    if not hmac.compare_digest(frame[-MAC_BYTES:], _digest(secret, body, "sha256")):
-        raise WireError("the message is not signed with this engine's ec_peer_secret")
+    if not _signed(frame[-MAC_BYTES:], body, accepted):
+        raise WireError("the message is not signed with any of this engine's peer secrets")
     try:
         message: Message = _decoder.decode(body[_HEAD:])
     except msgspec.DecodeError as exc:
@@ -181,6 +188,17 @@ class Replays:
         until[mac] = fresh_until
         order.append((fresh_until, mac))
         return True
+
+
+def _signed(mac: bytes, body: bytes, accepted: tuple[bytes, ...]) -> bool:
+    if hmac.compare_digest(mac, _digest(accepted[0], body, "sha256")):
+        return True  # the hot path: one HMAC, no generator
+    return any(hmac.compare_digest(mac, _digest(s, body, "sha256")) for s in accepted[1:])
+
+
+def handle_signed(accepted: tuple[bytes, ...], fields: dict[str, Any], sig: str) -> bool:
+    """Whether `sig` is `handle_signature` of `fields` under one of the `accepted` secrets."""
+    return any(hmac.compare_digest(handle_signature(s, fields), sig) for s in accepted)
 
 
 def handle_signature(secret: bytes, fields: dict[str, Any]) -> str:

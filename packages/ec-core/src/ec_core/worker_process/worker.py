@@ -120,7 +120,7 @@ class ECCPUWorker(EntryLoads, EntrySaves):
                 vllm_config, listening=peers.listen is not None
             ):
                 self._side_channel = ReportSender(
-                    report_channel.endpoint(self.layout.path), peers.secret.encode()
+                    report_channel.endpoint(self.layout.path), peers.keyring()
                 )
             self._pin_shared_region()
         except BaseException:
