@@ -193,7 +193,7 @@ def test_a_load_for_a_request_preempted_in_the_same_step_is_not_left_untracked(
             if output is not None and output.preempted_req_ids:
                 break
     assert output is not None and output.preempted_req_ids == {"A"}
-    dispatch.assert_called_once_with("X")  # A's X was a hit before A was preempted
+    dispatch.assert_called_once_with("X", "X")  # A's X was a hit before A was preempted
     assert output.scheduled_encoder_inputs == {"B": [0]}
     assert "X" in output.free_encoder_mm_hashes
     assert "X" not in scheduler.encoder_cache_manager.cached
