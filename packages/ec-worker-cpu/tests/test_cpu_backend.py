@@ -160,7 +160,7 @@ def test_salted_keys_round_trip_under_vllms_identifier(connectors: tuple[Any, An
     def run_worker_step(meta: ECCPUConnectorMetadata, cache: dict[str, torch.Tensor]) -> Any:
         worker.bind_connector_metadata(meta)
         worker.start_load_caches(cache)
-        for identifier in set(meta.identifiers.get(k, k) for k in meta.saves):
+        for identifier in {meta.identifiers.get(k, k) for k in meta.saves}:
             worker.save_caches(encoder_cache=cache, mm_hash=identifier)
         worker.get_finished(set())
         report = worker.build_connector_worker_meta()
@@ -168,10 +168,10 @@ def test_salted_keys_round_trip_under_vllms_identifier(connectors: tuple[Any, An
         scheduler.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
         return report
 
-    for salt in image:  # one step per salt: vLLM's cache holds its own encoding
+    for salt, encoded in image.items():  # one step per salt: vLLM's cache holds its own
         meta = StepDriver(scheduler).step([make_request(salt, [Item("img")], cache_salt=salt)]).meta
         assert list(meta.saves) == [key[salt]] and meta.identifiers == {key[salt]: "img"}
-        report = run_worker_step(meta, {"img": image[salt]})
+        report = run_worker_step(meta, {"img": encoded})
         assert report.completed_saves == [key[salt]]
     for salt in ("B", "A"):
         meta = (
@@ -187,7 +187,7 @@ def test_salted_keys_round_trip_under_vllms_identifier(connectors: tuple[Any, An
     worker_half = worker.worker
     both = ECCPUConnectorMetadata(
         saves={"x|salt:1": [100], "x|salt:2": [101], "x": [102]},
-        save_shapes={k: (1, WIDTH) for k in ("x|salt:1", "x|salt:2", "x")},
+        save_shapes=dict.fromkeys(("x|salt:1", "x|salt:2", "x"), (1, WIDTH)),
         identifiers={"x|salt:1": "x", "x|salt:2": "x"},
         step=99,
     )

@@ -10,8 +10,9 @@ figures are given here instead.
 region whose blocks hold the identifier (and row count) of the item whose rows
 were written there, and the key they were saved under; like the real worker, it
 saves only an output of the shape the scheduler sent, and reads and writes the
-encoder cache under the identifier the metadata names for a salted key. It checks every gather of a step: an item missing from its encoder cache,
-or holding another item's rows or another row count, is recorded in `errors`; so is an
+encoder cache under the identifier the metadata names for a salted key. It
+checks every gather of a step: an item missing from its encoder cache, or
+holding another item's rows or another row count, is recorded in `errors`; so is an
 item left in its encoder cache after a step that vLLM's encoder cache manager no longer
 tracks (vLLM would never tell the worker to free it).
 `run_step` is one engine step: `schedule`, the worker, `update_from_output`.
