@@ -28,8 +28,8 @@ SALT_B = "tenant-B-salt-91c2"
 SchedulerFactory = Callable[..., ECCPUScheduler]
 
 
-def _keys(**kwargs: object) -> TierKeys:
-    return TierKeys(isolating=bool(kwargs.get("isolating", True)), secret=kwargs.get("secret"))  # type: ignore[arg-type]
+def _keys(*, isolating: bool = True, secret: str | None = None) -> TierKeys:
+    return TierKeys(isolating=isolating, secret=secret)
 
 
 def _key(keys: TierKeys, identifier: str, salt: str | None) -> str:
