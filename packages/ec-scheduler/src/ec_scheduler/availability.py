@@ -93,27 +93,28 @@ class Availability:
 
     # ------------------------------------------------------------ promises
 
-    def promise(self, identifier: str, loading: Container[str]) -> bool:
-        """`has_cache_item` on a consumer: True iff the item is promised, loaded this
-        step (`loading`), or ready now, in which case it is promised on the spot.
+    def promise(self, key: str, loading: Container[str]) -> bool:
+        """`has_cache_item` on a consumer, for the item's tier key `key`: True iff it is
+        promised, loaded this step (`loading`), or ready now, in which case it is
+        promised on the spot.
 
-        A stale entry holds another item under this identifier: even a load of it
+        A stale entry holds another item under this key: even a load of it
         dispatched this step (for a request vLLM then preempted, dropping the item
         from its own cache and so from its row-count check) would serve the other
         item's rows, so it answers False first.
         """
-        if identifier in self.stale:
+        if key in self.stale:
             return False
-        if identifier in self.promised or identifier in loading:
+        if key in self.promised or key in loading:
             return True
         allocator = self.allocator
-        entry = allocator.get(identifier)
+        entry = allocator.get(key)
         if entry is None or not entry.ready:
             return False
         # Pinned now, so an allocation later in this step cannot evict it before
         # update_state_after_alloc dispatches the load.
         allocator.pin_entry(entry)
-        self.promised.add(identifier)
+        self.promised.add(key)
         return True
 
     def take_promise(self, key: str) -> None:

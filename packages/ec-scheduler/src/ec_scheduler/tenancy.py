@@ -70,6 +70,8 @@ class TierKeys:
     `secret`: the cross-engine signing secret (`PeerSettings.secret`) when peers
     are configured, else None; read once here, so a secret rotated later does not
     change any key before the engine restarts.
+
+    Not thread-safe (the memo): the scheduler calls it under its lock only.
     """
 
     __slots__ = ("_key", "_memo", "isolating")
