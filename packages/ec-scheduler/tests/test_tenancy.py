@@ -196,6 +196,11 @@ def test_a_lookup_vllm_did_not_announce_is_a_miss_while_isolating(
         scheduler.build_connector_meta(scheduler_output())
         scheduler.ensure_cache_available(make_request("other", [Item("x")]), 0)
         assert scheduler.has_cache_item(H) is not isolating, "not that request's item"
+        scheduler.ensure_cache_available(make_request("two", [Item("x"), Item("y")]), 0)
+        assert scheduler.has_cache_item(H) is not isolating, "nor one of several"
+        scheduler.ensure_cache_available(make_request("mine2", [Item("x"), Item(H)]), 0)
+        assert scheduler.has_cache_item(H), "the second of its items"
+        scheduler.build_connector_meta(scheduler_output())
         scheduler.build_connector_meta(scheduler_output())
         scheduler.ensure_cache_available(make_request("mine", [Item(H)]), 0)
         scheduler.build_connector_meta(scheduler_output())

@@ -137,8 +137,8 @@ class ECCPUScheduler:
         self._asking: Request | None = None
         """The request vLLM asks `has_cache_item` about: the one `ensure_cache_available`
         was last called for in this step (None: none yet)."""
-        self._asking_keys: dict[str, str] | None = None
-        """Identifier -> tier key of `_asking`'s items, built at its first lookup."""
+        self._asking_ids: frozenset[str] | None = None
+        """The identifiers of `_asking`'s items (of several), built at its first lookup."""
         self.allocator = BlockAllocator(
             self.layout.num_blocks,
             make_policy(settings.policy, self.layout.num_blocks),
@@ -252,27 +252,27 @@ class ECCPUScheduler:
 
     def _key_asked(self, identifier: str) -> str | None:
         """The tier key of `identifier` in the request vLLM is asking about, or None."""
-        keys = self._asking_keys
-        if keys is None:
-            request = self._asking
-            if request is not None:
-                keys = self._asking_keys = dict(
-                    zip(
-                        (feature.identifier for feature in request.mm_features),
-                        self.tier_keys.keys_of(request),
-                        strict=True,
-                    )
-                )
-        key = keys.get(identifier) if keys is not None else None
-        if key is None:
-            self._warn_now_and_then(
-                "unresolved",
-                "EC CPU tier: vLLM looked up an item (%s) of a request it had not called "
-                "ensure_cache_available for first; with ec_isolate_cache_salt the tier "
-                "cannot tell that request's cache_salt, so the item is encoded instead",
-                identifier,
-            )
-        return key
+        request = self._asking
+        if request is not None:
+            features = request.mm_features
+            if len(features) == 1:  # the usual request: no set to build
+                has = features[0].identifier == identifier
+            else:
+                ids = self._asking_ids
+                if ids is None:
+                    ids = self._asking_ids = frozenset(f.identifier for f in features)
+                has = identifier in ids
+            if has:
+                suffix = self.tier_keys.suffix(request)
+                return identifier + suffix if suffix else identifier
+        self._warn_now_and_then(
+            "unresolved",
+            "EC CPU tier: vLLM looked up an item (%s) of a request it had not called "
+            "ensure_cache_available for first; with ec_isolate_cache_salt the tier "
+            "cannot tell that request's cache_salt, so the item is encoded instead",
+            identifier,
+        )
+        return None
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
@@ -297,7 +297,7 @@ class ECCPUScheduler:
             # about next through this request (see there).
             if request is not self._asking:
                 self._asking = request
-                self._asking_keys = None
+                self._asking_ids = None
             if not self.is_consumer:
                 return True
             return self._availability.ensure(request, num_computed_tokens, self.remote)
@@ -402,7 +402,7 @@ class ECCPUScheduler:
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1
         self._availability.release_promises()
-        self._asking = self._asking_keys = None  # the next step's lookups name their request anew
+        self._asking = self._asking_ids = None  # the next step's lookups name their request anew
         plan, self._plan = self._plan, StepPlan()
         if plan.loads and scheduler_output.free_encoder_mm_hashes:
             self._withdraw_dropped_loads(plan, scheduler_output)
@@ -542,7 +542,7 @@ class ECCPUScheduler:
             self._connections.close_files()
             self.is_producer = self.is_consumer = False
             self._plan = StepPlan()
-            self._asking = self._asking_keys = None
+            self._asking = self._asking_ids = None
             self._availability.clear()
             self.settlement.clear()
             self.allocator.clear()
