@@ -9,12 +9,19 @@ vLLM's V1 and V2 model runners (`ectools.runners`); the rest on V1.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from ectools.engine import connector_spec, kill_at, region_files, run_in_subprocess
+from ectools.engine import (
+    TEST_PASSES,
+    connector_spec,
+    kill_at,
+    region_files,
+    run_in_subprocess,
+)
 from ectools.runners import RUNNERS
 
 pytestmark = pytest.mark.engine
@@ -136,4 +143,40 @@ def test_tensor_parallel_two_ranks_rank_zero_saves_both_load(
     assert counters["saves_completed"] >= 10
     assert counters["loads_by_rank"] == {"0": loads, "1": loads}
     assert counters["load_fallbacks"] == counters["reports_lost"] == 0
+    assert region_files(tmp_path) == []
+
+
+SALT_A, SALT_B = "tenant-A-7f3e91", "tenant-B-c2a0d4"
+
+
+def test_cache_salts_isolate_tenants_in_one_engine(
+    model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
+) -> None:
+    """The ten images for salt A, then for salt B, A again, then without a salt. B is
+    never served A's entries (it encodes every image vLLM's own encoder cache, which
+    keys by identifier alone, does not still hold), A again loads its own, and the
+    unsalted pass sees neither. Outputs are token-identical to an engine without the
+    tier, and no salt reaches the log, the counters or the metrics."""
+    passes = [TEST_PASSES[0]] * 4
+    spec = connector_spec(
+        model_dir,
+        tmp_path,
+        multiprocess=False,
+        passes=passes,
+        cache_salts=[SALT_A, SALT_B, SALT_A, None],
+    )
+    result = run_in_subprocess(spec)
+    assert result["passes"] == [baseline[0]] + [baseline[1]] * 3
+    encoded, hits = result["encoded_per_pass"], result["hits_per_pass"]
+    assert encoded[0] == 10 and hits[0] == 0
+    # vLLM's own cache may still hold a few images (at most 4): those it serves itself.
+    assert hits[1] == 0 and encoded[1] >= 6, "salt B encodes: A's entries are not B's"
+    assert hits[2] >= 6 and encoded[2] == 0, "salt A again: its own entries"
+    assert hits[3] == 0 and encoded[3] >= 6, "no salt: none of the salted entries"
+    counters = result["counters"]
+    assert counters["saves_completed"] == 10 + encoded[1] + encoded[3]
+    assert counters["saves_failed"] == counters["load_fallbacks"] == 0
+    everything = json.dumps({key: value for key, value in result.items() if key != "log"})
+    for salt in (SALT_A, SALT_B):
+        assert salt not in result["log"] and salt not in everything
     assert region_files(tmp_path) == []

@@ -26,8 +26,14 @@ K = 6
 MAX_TOKENS = 6
 
 
-def _serve_twice(model_dir: str, work: Path, ec_config: dict[str, Any] | None) -> dict[str, Any]:
-    """Start one server, send K images twice, read /metrics after each pass; stop it."""
+SALT = "tenant-7c1f0e"
+
+
+def _serve_twice(
+    model_dir: str, work: Path, ec_config: dict[str, Any] | None, *, salted: bool = False
+) -> dict[str, Any]:
+    """Start one server, send K images twice, read /metrics after each pass; stop it.
+    `salted`: then the K images twice more with vLLM's `cache_salt` (another tenant)."""
     from openai import OpenAI
 
     port = free_port()
@@ -49,9 +55,21 @@ def _serve_twice(model_dir: str, work: Path, ec_config: dict[str, Any] | None) -
             second = [ask(client, model_dir, image, MAX_TOKENS)[0] for image in images]
             after_second = serving.tier_metrics(port)
             families = serving.tier_families(port)
+            salted_passes: list[list[str]] = []
+            if salted:
+                for _ in range(2):
+                    salted_passes.append(
+                        [ask(client, model_dir, im, MAX_TOKENS, SALT)[0] for im in images]
+                    )
+            after_salted = serving.tier_metrics(port)
+            metrics_text = serving.metrics_text(port)
         finally:
             serving.stop([proc])
     return {
+        "salted": salted_passes,
+        "after_salted": after_salted,
+        "metrics_text": metrics_text,
+        "log": log_path.read_text(errors="replace"),
         "first": first,
         "second": second,
         "after_first": after_first,
@@ -76,9 +94,11 @@ def test_the_openai_server_serves_repeated_images_from_the_tier(
     config = serving.tier_config(
         "ec_both", {"ec_cpu_bytes": "64MiB", "ec_cpu_dir": str(region_dir)}
     )
-    tier = _serve_twice(model_dir, tier_dir, config)
+    tier = _serve_twice(model_dir, tier_dir, config, salted=True)
     assert tier["first"] == plain["first"]
     assert tier["second"] == plain["first"]
+    # Another tenant (a cache_salt): not served the unsalted entries, then its own.
+    assert tier["salted"] == [plain["first"], plain["first"]]
 
     def delta(name: str) -> float:
         key = f"vllm:ec_cpu_{name}_total"
@@ -102,4 +122,14 @@ def test_the_openai_server_serves_repeated_images_from_the_tier(
         "vllm:ec_cpu_region_blocks",
     ):
         assert family in tier["families"], sorted(tier["families"])
+
+    def salted_delta(name: str) -> float:
+        key = f"vllm:ec_cpu_{name}_total"
+        return tier["after_salted"].get(key, 0.0) - tier["after_second"].get(key, 0.0)
+
+    assert salted_delta("saves") == K, "the salted tenant's images were encoded and saved"
+    assert salted_delta("hits") == K, "and its repeats served from its own entries"
+    # The salt is in no log line (engine and access log) and no metric.
+    assert SALT not in tier["log"] and SALT not in tier["metrics_text"]
+    assert "POST /v1/chat/completions" in tier["log"], "the access log is in the log"
     assert list(region_dir.iterdir()) == []  # the server removed its region on shutdown

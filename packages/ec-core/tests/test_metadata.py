@@ -22,7 +22,7 @@ def test_types_subclass_vllm_bases() -> None:
 def test_fields_and_defaults_match_the_in_tree_design() -> None:
     """The in-tree design's fields come first with its types; additions have defaults."""
     fields = {f.name: f for f in dataclasses.fields(ECCPUConnectorMetadata)}
-    assert list(fields) == ["saves", "loads", "step", "save_shapes", "runs"]
+    assert list(fields) == ["saves", "loads", "step", "save_shapes", "runs", "identifiers"]
     assert fields["saves"].type == "dict[str, list[int]]"
     assert fields["loads"].type == "dict[str, tuple[int, list[int], tuple[int, int]]]"
     assert ECCPUConnectorMetadata({"a": [1]}, {}).step == 0
@@ -32,6 +32,7 @@ def test_fields_and_defaults_match_the_in_tree_design() -> None:
     assert worker_fields["completed_loads"].type == "list[int]"
     meta = ECCPUConnectorMetadata()
     assert meta.saves == {} and meta.loads == {} and meta.runs == {}
+    assert meta.identifiers == {}, "no salted keys: nothing to translate"
     report = ECCPUWorkerMetadata()
     assert report.completed_saves == [] and report.completed_loads == []
 
@@ -54,7 +55,10 @@ def test_loads_carry_transfer_id_blocks_and_shape() -> None:
 
 
 def test_metadata_round_trips_through_pickle() -> None:
-    meta = ECCPUConnectorMetadata(saves={"a": [1, 2]}, loads={"b": (3, [5], (1, 8))})
+    meta = ECCPUConnectorMetadata(
+        saves={"a": [1, 2]}, loads={"b|salt:" + "0" * 32: (3, [5], (1, 8))}
+    )
+    meta.identifiers["b|salt:" + "0" * 32] = "b"
     assert pickle.loads(pickle.dumps(meta)) == meta
     report = ECCPUWorkerMetadata(["a"], [3, 3])
     assert pickle.loads(pickle.dumps(report)) == report

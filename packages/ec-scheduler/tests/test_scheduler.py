@@ -30,6 +30,13 @@ WIDTH = 128  # the tiny BLIP-2's embedding width (see conftest)
 SchedulerFactory = Callable[..., ECCPUScheduler]
 
 
+def _has(scheduler: ECCPUScheduler, key: str, embeds: int = 8) -> bool:
+    """`has_cache_item(key)` as vLLM asks it: right after `ensure_cache_available` for
+    a request with that item (the tier resolves the identifier through it)."""
+    scheduler.ensure_cache_available(make_request(f"ask-{key}", [Item(key, embeds)]), 0)
+    return scheduler.has_cache_item(key)
+
+
 def _save_and_report(scheduler: ECCPUScheduler, *items: Item, ranks: int = 1) -> None:
     result = StepDriver(scheduler).step([make_request("warm", items)])
     scheduler.update_connector_output(connector_output(SimulatedRanks(ranks).report(result.meta)))
@@ -45,7 +52,7 @@ def test_offload_then_reuse_cycle(make_scheduler: SchedulerFactory) -> None:
     saved_blocks = first.meta.saves[H]
     assert saved_blocks == list(range(8))  # 8 rows x 128 fp32 = 8 blocks, one run
     assert first.meta.runs == {H: ((0, 8),)}, "the descriptors travel with the ids"
-    assert not scheduler.has_cache_item(H), "not ready until the save is reported"
+    assert not _has(scheduler, H), "not ready until the save is reported"
     scheduler.build_connector_meta(scheduler_output())  # release that lookup's nothing
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(first.meta)))
 
@@ -74,8 +81,8 @@ def test_keyed_on_identifier_not_mm_hash(make_scheduler: SchedulerFactory) -> No
     scheduler = make_scheduler()
     lora_key = f"lora-7:{H}"
     _save_and_report(scheduler, Item(lora_key))
-    assert scheduler.has_cache_item(lora_key)
-    assert not scheduler.has_cache_item(H)
+    assert _has(scheduler, lora_key)
+    assert not _has(scheduler, H)
 
 
 def test_multiple_items_per_request_and_repeats_in_one_step(
@@ -119,7 +126,7 @@ def test_roles(make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixtur
     # vLLM's V1 runner drops an encode-only engine's reports: said at start.
     assert any("without ec_peer_listen" in r.getMessage() for r in ec_log.records)
     _save_and_report(producer, Item(H))
-    assert not producer.has_cache_item(H), "a producer never loads"
+    assert not _has(producer, H), "a producer never loads"
     result = StepDriver(producer).step([make_request("r", [Item(H)])])
     assert result.meta.loads == {} and result.meta.saves == {}
 
@@ -127,7 +134,7 @@ def test_roles(make_scheduler: SchedulerFactory, ec_log: pytest.LogCaptureFixtur
     assert any("ec_consumer" in r.getMessage() for r in ec_log.records)
     result = StepDriver(consumer).step([make_request("r", [Item(H)])])
     assert result.meta.saves == {}, "a consumer never saves"
-    assert not consumer.has_cache_item(H)
+    assert not _has(consumer, H)
     assert consumer.ensure_cache_available(make_request("r", [Item(H)]), 0)
 
 
@@ -328,7 +335,7 @@ def test_shutdown_is_idempotent_and_stops_hits(make_scheduler: SchedulerFactory)
     _save_and_report(scheduler, Item(H))
     scheduler.shutdown()
     scheduler.shutdown()
-    assert not scheduler.has_cache_item(H)
+    assert not _has(scheduler, H)
     assert not scheduler.has_pending_push_work()
     assert scheduler.request_finished(make_request("r", [Item(H)])) == (False, None)
     result = StepDriver(scheduler).step([make_request("r", [Item(H)])])
@@ -394,7 +401,7 @@ def test_region_full_of_held_entries_skips_saves_and_never_blocks(
     result = driver.step([request])
     assert result.meta.saves == {}
     assert scheduler.counters.saves_skipped_full == 1
-    assert not scheduler.has_cache_item("b")
+    assert not _has(scheduler, "b")
 
 
 def test_lru_eviction_through_the_scheduler(make_scheduler: SchedulerFactory) -> None:
@@ -442,7 +449,7 @@ def test_a_load_whose_item_its_step_frees_is_withdrawn_unless_a_scheduled_reques
     that takes it (the encoder-decoder manager names the step before's items) keeps it."""
     scheduler = make_scheduler()
     _save_and_report(scheduler, Item(H))
-    assert scheduler.has_cache_item(H)
+    assert _has(scheduler, H)
     for request_id in takers:
         scheduler.update_state_after_alloc(make_request(request_id, [Item(H)]), 0)
     output = scheduler_output()
@@ -551,7 +558,7 @@ def test_fm3_idle_time_alone_does_not_make_a_copy_overdue(
     scheduler.build_connector_meta(scheduler_output(num_tokens=0))
     assert scheduler.counters.saves_reclaimed == 0
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(meta)))
-    assert scheduler.has_cache_item(H)
+    assert _has(scheduler, H)
 
 
 def test_fm3_blocks_of_an_overdue_load_are_held_until_its_rank_settles(
@@ -891,9 +898,9 @@ def test_invalidate_forgets_every_entry_and_those_in_use_once_their_copies_end(
     assert list(step.meta.loads) == ["loading"] and list(step.meta.saves) == ["saving"]
     scheduler.invalidate()  # with that load and that save in flight
     assert "free" not in scheduler.allocator
-    assert not any(scheduler.has_cache_item(key) for key in ("free", "loading", "saving"))
+    assert not any(_has(scheduler, key) for key in ("free", "loading", "saving"))
     scheduler.update_connector_output(connector_output(SimulatedRanks().report(step.meta)))
     assert len(scheduler.allocator) == 0 and not scheduler._availability.stale
     assert scheduler.allocator.num_free_blocks == 64
     _save_and_report(scheduler, Item("free"), Item("saving"))  # encoded with the new weights
-    assert scheduler.has_cache_item("free") and scheduler.has_cache_item("saving")
+    assert _has(scheduler, "free") and _has(scheduler, "saving")

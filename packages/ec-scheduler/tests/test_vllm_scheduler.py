@@ -193,7 +193,7 @@ def test_a_load_for_a_request_preempted_in_the_same_step_is_not_left_untracked(
             if output is not None and output.preempted_req_ids:
                 break
     assert output is not None and output.preempted_req_ids == {"A"}
-    dispatch.assert_called_once_with("X")  # A's X was a hit before A was preempted
+    dispatch.assert_called_once_with("X", "X")  # A's X was a hit before A was preempted
     assert output.scheduled_encoder_inputs == {"B": [0]}
     assert "X" in output.free_encoder_mm_hashes
     assert "X" not in scheduler.encoder_cache_manager.cached
@@ -499,3 +499,36 @@ def test_an_item_without_input_that_vllm_evicts_for_an_earlier_item_of_its_reque
     _drain(scheduler, worker)
     assert worker.errors == []
     assert half.take_unavailable_requests() == set()
+
+
+def test_salted_requests_through_vllms_scheduler_see_only_their_own_salt(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM's real scheduler calls `ensure_cache_available(request)` before it looks up
+    that request's items by identifier alone: the same image from salts A and B is
+    encoded and saved once per salt, A again loads A's entry, and an unsalted request
+    (no salt: its own party) sees neither. vLLM's own encoder cache keys by identifier,
+    so it is emptied between the requests (as it is once another item evicts one)."""
+    scheduler = real_scheduler(tiny_model_dir, tmp_path)
+    worker = SimulatedWorker()
+    half = scheduler_half(scheduler)
+    keys = half.tier_keys
+
+    def serve(request_id: str, salt: str | None) -> None:
+        scheduler.encoder_cache_manager.reset()
+        worker.cache.clear()
+        scheduler.add_request(mm_request(request_id, [("X", 8)], cache_salt=salt))
+        _drain(scheduler, worker)
+
+    serve("A1", "salt-A")
+    serve("B1", "salt-B")
+    assert half.counters.hits == 0 and half.counters.saves_completed == 2
+    key_a, key_b = (f"X|salt:{keys.digest(salt)}" for salt in ("salt-A", "salt-B"))
+    assert {entry.key for entry in half.allocator} == {key_a, key_b}
+    serve("A2", "salt-A")
+    assert half.counters.hits == 1 and worker.loaded == [(key_a, key_a)]
+    serve("B2", "salt-B")
+    assert half.counters.hits == 2 and worker.loaded[-1] == (key_b, key_b)
+    serve("plain", None)
+    assert half.counters.hits == 2, "an unsalted request sees no salted entry"
+    assert worker.errors == []

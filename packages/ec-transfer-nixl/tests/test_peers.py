@@ -72,25 +72,29 @@ class Engine:
     reaches the scheduler through vLLM (only through the side channel)."""
 
     def run_step(self, meta: ECCPUConnectorMetadata) -> dict[str, torch.Tensor]:
-        """Play the worker for `meta` (saves get their payload) and report back."""
+        """Play the worker for `meta` (saves get their key's payload, in vLLM's encoder
+        cache under the item's identifier) and report back."""
         cache: dict[str, torch.Tensor] = {}
         self.worker.bind(meta)
         self.worker.start_load_caches(cache, meta)
         for key, (rows, cols) in meta.save_shapes.items():
-            cache[key] = payload(key, rows, cols).to(self.worker.dtype)
-            self.worker.save_caches(cache, key, meta)
+            identifier = meta.identifiers.get(key, key)
+            cache[identifier] = payload(key, rows, cols).to(self.worker.dtype)
+            self.worker.save_caches(cache, identifier, meta)
         self.worker.get_finished()
         report = self.worker.build_connector_worker_meta()
         if not self.drop_reports:
             self.scheduler.update_connector_output(connector_output(report))
         return cache
 
-    def save(self, *items: Item) -> None:
-        meta = StepDriver(self.scheduler).step([make_request("save", list(items))]).meta
-        assert set(meta.saves) == {i.identifier for i in items}
+    def save(self, *items: Item, salt: str | None = None) -> None:
+        request = make_request("save", list(items), cache_salt=salt)
+        meta = StepDriver(self.scheduler).step([request]).meta
+        keys = self.scheduler.tier_keys.keys_of(request)
+        assert set(meta.saves) == set(keys)
         self.run_step(meta)
-        for item in items:
-            entry = self.scheduler.allocator.get(item.identifier)
+        for key in keys:
+            entry = self.scheduler.allocator.get(key)
             assert entry is not None and entry.ready
 
     def wait_available(self, request: Any) -> float:
@@ -1174,3 +1178,42 @@ def test_three_engines_roll_to_a_new_secret_in_place_without_a_failed_fetch(
     assert sum(e.scheduler.stat_totals()["remote_hits"] for e in engines) == fetched
     # (The second engine to fetch an item may be offered it by both its peers.)
     assert sum(e.scheduler.stat_totals()["peer_lookups_served"] for e in engines) >= fetched
+
+
+def test_a_salted_entry_goes_only_to_requests_of_the_same_salt(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Engines sharing the secret agree on salted keys (the salt's digest, never the
+    salt). A producer's entry for salt A: a salt-B request is not served it through
+    `ec_peers`, nor through a handle (with its lease) minted for a salt-A request;
+    a salt-A request fetches it, through the handle, with A's bytes."""
+    producer, consumer, _ = _pair(make_engine, producer=HANDLE_LEASES, **PATIENT)
+    item = Item("img-salted", 6)
+    producer.save(item, salt="salt-A")
+    (key_a,) = producer.scheduler.tier_keys.keys_of(make_request("k", [item], cache_salt="salt-A"))
+    assert consumer.scheduler.tier_keys.keys_of(make_request("k", [item], cache_salt="salt-A")) == [
+        key_a
+    ], "the same key on both engines"
+
+    def serve(request: Any) -> dict[str, torch.Tensor]:
+        consumer.wait_available(request)
+        return consumer.run_step(StepDriver(consumer.scheduler).step([request]).meta)
+
+    assert serve(make_request("b", [item], cache_salt="salt-B")) == {}, "encoded, not fetched"
+    assert serve(make_request("plain", [item])) == {}, "nor for a request without a salt"
+    assert consumer.scheduler.stat_totals()["remote_hits"] == 0
+    assert consumer.scheduler.stat_totals()["remote_lookups"] == 2, "asked, found nothing"
+    _, params = producer.scheduler.request_finished(
+        make_request("done-a", [item], cache_salt="salt-A")
+    )
+    assert params is not None and params["ec_cpu_tier"]["items"] == {key_a: [6, WIDTH]}
+    assert "lease" in params["ec_cpu_tier"] and "salt-A" not in repr(params)
+    other = make_request("b-with-a-handle", [item], cache_salt="salt-B")
+    other.ec_transfer_params = params
+    assert serve(other) == {}, "a handle minted for salt A does not serve salt B"
+    mine = make_request("a-with-its-handle", [item], cache_salt="salt-A")
+    mine.ec_transfer_params = params
+    cache = serve(mine)
+    assert list(cache) == ["img-salted"] and torch.equal(cache["img-salted"], payload(key_a, 6))
+    assert consumer.scheduler.stat_totals()["remote_hits"] == 1
+    _wait_unpinned(producer)

@@ -147,6 +147,60 @@ def test_save_and_reload_through_both_connector_roles(connectors: tuple[Any, Any
     assert scheduler.scheduler.counters.loads_completed == 1  # type: ignore[attr-defined]
 
 
+def test_salted_keys_round_trip_under_vllms_identifier(connectors: tuple[Any, Any]) -> None:
+    """The same image from two salts: saved under two keys from the one encoder cache
+    entry vLLM names by identifier (a step where vLLM calls `save_caches` once and
+    the scheduler asked for both), each loaded back under that identifier for its
+    own salt only; reports name the keys."""
+    scheduler, worker = connectors
+    half = scheduler.scheduler
+    image = {"A": torch.randn(8, WIDTH), "B": torch.randn(8, WIDTH)}
+    key = {salt: f"img|salt:{half.tier_keys.digest(salt)}" for salt in image}
+
+    def run_worker_step(meta: ECCPUConnectorMetadata, cache: dict[str, torch.Tensor]) -> Any:
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(cache)
+        for identifier in {meta.identifiers.get(k, k) for k in meta.saves}:
+            worker.save_caches(encoder_cache=cache, mm_hash=identifier)
+        worker.get_finished(set())
+        report = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        scheduler.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+        return report
+
+    for salt, encoded in image.items():  # one step per salt: vLLM's cache holds its own
+        meta = StepDriver(scheduler).step([make_request(salt, [Item("img")], cache_salt=salt)]).meta
+        assert list(meta.saves) == [key[salt]] and meta.identifiers == {key[salt]: "img"}
+        report = run_worker_step(meta, {"img": encoded})
+        assert report.completed_saves == [key[salt]]
+    for salt in ("B", "A"):
+        meta = (
+            StepDriver(scheduler)
+            .step([make_request(f"{salt}2", [Item("img")], cache_salt=salt)])
+            .meta
+        )
+        assert list(meta.loads) == [key[salt]]
+        cache: dict[str, torch.Tensor] = {}
+        run_worker_step(meta, cache)
+        assert list(cache) == ["img"] and torch.equal(cache["img"], image[salt])
+    # Two keys of one identifier in one step's saves (vLLM encodes the item once).
+    worker_half = worker.worker
+    both = ECCPUConnectorMetadata(
+        saves={"x|salt:1": [100], "x|salt:2": [101], "x": [102]},
+        save_shapes=dict.fromkeys(("x|salt:1", "x|salt:2", "x"), (1, WIDTH)),
+        identifiers={"x|salt:1": "x", "x|salt:2": "x"},
+        step=99,
+    )
+    worker_half.bind(both)
+    worker_half.save_caches({"x": torch.ones(1, WIDTH)}, "x", both)
+    worker_half.get_finished()
+    assert sorted(worker_half.build_connector_worker_meta().completed_saves) == [
+        "x",
+        "x|salt:1",
+        "x|salt:2",
+    ]
+
+
 def test_shutdown_is_idempotent_and_removes_the_region(connectors: tuple[Any, Any]) -> None:
     scheduler, worker = connectors
     path = worker.worker.region.path

@@ -45,6 +45,14 @@ class ECCPUConnectorMetadata(ECConnectorMetadata):
     ids make, `((first, count), ...)` in the ids' order: the copy descriptors,
     without a pass over the ids (a worker checks them against the ids' ends
     and computes them itself where a key has none).
+
+    The keys of `saves` and `loads` are the tier's keys: vLLM's identifier
+    (mm_hash) itself, or, for an item of a request with a `cache_salt`, the
+    identifier wrapped with the salt's digest (`ec_scheduler.tenancy`).
+    `identifiers` maps each key that is not vLLM's identifier to the identifier
+    vLLM's encoder cache holds it under: a worker reads and writes
+    `encoder_cache[identifiers.get(key, key)]`, and reports by key. It is
+    empty on a step without salted keys.
     """
 
     saves: dict[str, list[int]] = field(default_factory=dict)
@@ -52,6 +60,7 @@ class ECCPUConnectorMetadata(ECConnectorMetadata):
     step: int = 0
     save_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     runs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    identifiers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,6 +27,7 @@ KEY_OPEN_TIMEOUT = "ec_region_open_timeout_s"
 KEY_REPORT_TIMEOUT_STEPS = "ec_report_timeout_steps"
 KEY_REPORT_TIMEOUT_S = "ec_report_timeout_s"
 KEY_POLICY = "ec_eviction_policy"
+KEY_ISOLATE_CACHE_SALT = "ec_isolate_cache_salt"
 
 DEFAULT_REGION_DIR = Path("/dev/shm")
 DEFAULT_OPEN_TIMEOUT_S = 120.0
@@ -45,6 +46,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         KEY_REPORT_TIMEOUT_STEPS,
         KEY_REPORT_TIMEOUT_S,
         KEY_POLICY,
+        KEY_ISOLATE_CACHE_SALT,
         *peer_settings.KEYS,
     }
 )
@@ -62,7 +64,8 @@ class ECCPUSettings:
     block; `region_dir` is an absolute path to an existing, writable
     directory; `open_timeout_s` is finite and positive; the report timeouts
     are finite, non-negative and not both zero; `policy` names a known policy;
-    `peers` is None unless a cross-engine key is set (`ec_core.peer_settings`).
+    `isolate_cache_salt` is a bool; `peers` is None unless a cross-engine key is
+    set (`ec_core.peer_settings`).
 
     A save or load whose report has not arrived is overdue once it is older
     than `report_timeout_steps` engine steps that reached the workers AND
@@ -99,6 +102,11 @@ class ECCPUSettings:
     in front of a frequency-filtered segmented LRU, with a recency mode while a
     shadow LRU would serve more and a doorkeeper for one-offs), `s3lfu` (adaptive
     admission, probation and LFU) or `lru`."""
+    isolate_cache_salt: bool = field(default=True, metadata={"key": KEY_ISOLATE_CACHE_SALT})
+    """Serve an entry saved for a request with vLLM's `cache_salt` only to requests
+    with the same salt, here and through peers (`docs/tenant-isolation.md`);
+    requests without a salt share among themselves. `false` where all tenants are
+    one party: entries are then shared whatever the salt."""
     peers: PeerSettings | None = None
 
     @classmethod
@@ -162,6 +170,9 @@ class ECCPUSettings:
                 "every copy would be reclaimed before its report could arrive",
             )
         policy = _parse_choice(KEY_POLICY, extra.get(KEY_POLICY, DEFAULT_POLICY), POLICY_NAMES)
+        isolate = extra.get(KEY_ISOLATE_CACHE_SALT, True)
+        if not isinstance(isolate, bool):
+            raise _invalid(KEY_ISOLATE_CACHE_SALT, isolate, "expected true or false")
         peers = parse_peer_settings(extra, role, dp_index=dp_index)
         return cls(
             cpu_bytes=cpu_bytes,
@@ -170,6 +181,7 @@ class ECCPUSettings:
             report_timeout_steps=timeout_steps,
             report_timeout_s=timeout_s,
             policy=policy,
+            isolate_cache_salt=isolate,
             peers=peers,
         )
 

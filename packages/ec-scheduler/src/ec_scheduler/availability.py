@@ -6,6 +6,10 @@ lookup until a load takes them or the step ends), stale entries (entries
 that hold another item under the same identifier, or outputs of weights vLLM
 replaced), and items without input (metadata only, `ec_scheduler.inputs`),
 whose requests fail unless something can supply them.
+
+Every entry is named by its item's tier key (`ec_scheduler.tenancy`): the
+identifier, or for a request with a `cache_salt` the identifier wrapped with
+the salt's digest, so a request sees only its own salt's entries.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.inputs import ItemInputs
 from ec_scheduler.remote import ANY_WIDTH, RemoteSource, Wanted
+from ec_scheduler.tenancy import TierKeys
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import PlaceholderRange
@@ -63,8 +68,12 @@ class Availability:
         inputs: ItemInputs,
         widths: dict[str, int],
         warn_now_and_then: Callable[..., Any],
+        *,
+        keys: TierKeys | None = None,
     ) -> None:
-        """`widths` is the scheduler's own dict of measured widths (shared, not copied)."""
+        """`widths` is the scheduler's own dict of measured widths (shared, not copied);
+        `keys` names a request's entries (None: by identifier, no isolation)."""
+        self.keys = keys if keys is not None else TierKeys(isolating=False, secret=None)
         self.allocator = allocator
         self.counters = counters
         self.inputs = inputs
@@ -84,27 +93,28 @@ class Availability:
 
     # ------------------------------------------------------------ promises
 
-    def promise(self, identifier: str, loading: Container[str]) -> bool:
-        """`has_cache_item` on a consumer: True iff the item is promised, loaded this
-        step (`loading`), or ready now, in which case it is promised on the spot.
+    def promise(self, key: str, loading: Container[str]) -> bool:
+        """`has_cache_item` on a consumer, for the item's tier key `key`: True iff it is
+        promised, loaded this step (`loading`), or ready now, in which case it is
+        promised on the spot.
 
-        A stale entry holds another item under this identifier: even a load of it
+        A stale entry holds another item under this key: even a load of it
         dispatched this step (for a request vLLM then preempted, dropping the item
         from its own cache and so from its row-count check) would serve the other
         item's rows, so it answers False first.
         """
-        if identifier in self.stale:
+        if key in self.stale:
             return False
-        if identifier in self.promised or identifier in loading:
+        if key in self.promised or key in loading:
             return True
         allocator = self.allocator
-        entry = allocator.get(identifier)
+        entry = allocator.get(key)
         if entry is None or not entry.ready:
             return False
         # Pinned now, so an allocation later in this step cannot evict it before
         # update_state_after_alloc dispatches the load.
         allocator.pin_entry(entry)
-        self.promised.add(identifier)
+        self.promised.add(key)
         return True
 
     def take_promise(self, key: str) -> None:
@@ -159,13 +169,14 @@ class Availability:
         An item with input (nearly every item) costs one test here: the rest only
         runs for items without input."""
         carries_input = self.inputs.carries_input
+        suffix = self.keys.suffix(request)
         for index, feature in enumerate(request.mm_features):
             if carries_input(feature):
                 continue
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            key = feature.identifier
+            key = feature.identifier + suffix if suffix else feature.identifier
             entry = self.allocator.get(key)
             if (
                 entry is not None
@@ -203,12 +214,13 @@ class Availability:
         entries = self.allocator.get
         carries_input = self.inputs.carries_input
         plain = self.inputs.plain
+        suffix = self.keys.suffix(request)
         all_carry = True
         for feature in request.mm_features:
             # `carries_input`, with its usual answer inline: this runs for every item.
             if all_carry and not (feature.modality in plain and feature.data):
                 all_carry = carries_input(feature)
-            entry = entries(feature.identifier)
+            entry = entries(feature.identifier + suffix if suffix else feature.identifier)
             if entry is None:
                 continue
             position = feature.mm_position
@@ -220,12 +232,14 @@ class Availability:
     def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
         """With a remote source: retire stale entries and offer it what is missing."""
         entries = self.allocator.get
+        suffix = self.keys.suffix(request)
         missing: list[Wanted] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # already consumed by the model; will not be looked up
-            entry = entries(feature.identifier)
+            key = feature.identifier + suffix if suffix else feature.identifier
+            entry = entries(key)
             rows = num_embeds(position)
             if entry is not None and self._holds(entry, rows, request.request_id):
                 continue
@@ -235,7 +249,7 @@ class Availability:
                 # encoders). vLLM measures widths on producers only, so a pure
                 # consumer asks for any width and takes the peer's (`Wanted`).
                 cols = self.widths.get(feature.modality, ANY_WIDTH)
-                missing.append(Wanted(feature.identifier, rows, cols))
+                missing.append(Wanted(key, rows, cols))
         # Asked even with nothing missing: items being fetched for this request are
         # reserved here (not ready), and the request waits until they land.
         if remote.wants(request, missing):

@@ -37,6 +37,10 @@ ANY_WIDTH = 0
 class Wanted:
     """An item a request needs that this engine does not hold: its key and `(rows, cols)`.
 
+    `key` is the item's tier key (`ec_scheduler.tenancy`): the identifier, or for a
+    request with a `cache_salt` the identifier wrapped with the salt's keyed digest,
+    so peers that share the secret look up, lease and hand over only that salt's entry.
+
     `rows` is always the item's own embedding count. `cols` is ANY_WIDTH where
     vLLM measured no encoder output width for the item's modality here (a pure
     EC consumer: vLLM measures widths on producers only): a peer then answers
@@ -90,7 +94,8 @@ class RemoteSource(Protocol):
         for, together. Must not block."""
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """`ec_transfer_params` for a finished request: handles to this engine's entries."""
+        """`ec_transfer_params` for a finished request: handles to this engine's entries
+        of its items, named by their keys here (`LocalEntries.item_keys`)."""
 
     def stat_totals(self) -> dict[str, float]:
         """Cumulative counters of the transport (names in ec_core.stats)."""
@@ -115,6 +120,10 @@ def load_remote_source(
         )
     factory: RemoteSourceFactory = entries[0].load()
     return factory(vllm_config, layout, local)
+
+
+def _identifiers(request: Request) -> list[str]:
+    return [feature.identifier for feature in request.mm_features]
 
 
 EntryState = Literal["ready", "saving", "missing"]
@@ -144,9 +153,17 @@ class LocalEntries:
         blocks_for: Callable[[int, int], int],
         *,
         refresh: Callable[[], None] = lambda: None,
+        item_keys: Callable[[Request], list[str]] | None = None,
     ) -> None:
         """`refresh` runs (under the lock) before an entry's state is read, so
-        reports that arrived off the engine loop count at once."""
+        reports that arrived off the engine loop count at once. `item_keys` gives
+        the keys of a request's items here (`ec_scheduler.tenancy.TierKeys.keys_of`;
+        None: their identifiers)."""
+        self.item_keys: Callable[[Request], list[str]] = (
+            item_keys if item_keys is not None else _identifiers
+        )
+        """The keys this engine holds a request's items under, in the items' order:
+        what a handle names (a salted item's key carries only the salt's digest)."""
         self._allocator = allocator
         self._refresh = refresh
         self._lock = lock

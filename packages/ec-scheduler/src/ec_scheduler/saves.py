@@ -57,9 +57,9 @@ class Saves:
         self._counted_by_lookup = counted_by_lookup
         self._warn_once = RateLimitedWarnings(logger, period_s=math.inf).warn
 
-    def allocate(self, feature: MultiModalFeatureSpec, plan: StepPlan) -> None:
-        """Allocate a save of `feature` and add it to `plan`, or skip it (see the class)."""
-        key = feature.identifier
+    def allocate(self, feature: MultiModalFeatureSpec, plan: StepPlan, key: str) -> None:
+        """Allocate a save of `feature` under its tier key `key` (`ec_scheduler.tenancy`)
+        and add it to `plan`, or skip it (see the class)."""
         width = self.widths.get(feature.modality)
         if width is None:
             self.counters.saves_skipped_unmeasured += 1
@@ -105,7 +105,13 @@ class Saves:
             else:
                 self.counters.saves_skipped_full += 1
             return
-        plan.add_save(key, allocator.block_ids(entry), (rows, width), entry.runs)
+        plan.add_save(
+            key,
+            allocator.block_ids(entry),
+            (rows, width),
+            entry.runs,
+            identifier=feature.identifier,
+        )
         counters = self.counters
         counters.saves_dispatched += 1
         counters.save_rows += rows

@@ -13,7 +13,9 @@ connector hooks; the state behind them has one owner each:
   * `ec_scheduler.saves`: which computed items are saved, into which blocks;
   * `ec_scheduler.settlement`: the copies in flight and the workers' reports;
   * `ec_scheduler.connections`: the reservation file, report side channel
-    and remote source (everything construction opens).
+    and remote source (everything construction opens);
+  * `ec_scheduler.tenancy`: the key each item's entry has (its identifier,
+    or with vLLM's `cache_salt` the identifier wrapped with the salt's digest).
 vLLM's call order is drawn once, in `ec_scheduler.shell.connector`; what each
 call guarantees is on its method here.
 """
@@ -44,6 +46,7 @@ from ec_scheduler.remote import LocalEntries, RemoteSource
 from ec_scheduler.saves import Saves
 from ec_scheduler.settlement import Settlement
 from ec_scheduler.step_plan import StepPlan
+from ec_scheduler.tenancy import TierKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,7 +94,14 @@ class ECCPUScheduler:
       * a step's copies are planned in one `StepPlan`, handed to the workers
         once and replaced by a fresh one: nothing planned leaks into a later step;
       * every public method runs under `lock`, which a remote source's threads
-        take too (through `LocalEntries`).
+        take too (through `LocalEntries`);
+      * an entry saved or fetched for a request with `cache_salt` S is loaded or
+        leased only for requests with salt S; unsalted requests share among
+        themselves (with `ec_isolate_cache_salt` false, everyone shares). Every
+        key of the allocator, the policy, a step's plan, a peer lookup and a
+        handle is a tier key (`ec_scheduler.tenancy`), and `has_cache_item`,
+        which vLLM asks without the request, answers only for the request
+        `ensure_cache_available` was last called for in the step.
     """
 
     def __init__(
@@ -119,6 +129,16 @@ class ECCPUScheduler:
         self._widths: dict[str, int] = dict(ec_config.mm_encoder_output_widths)
         self._itemsize = self.layout.dtype.itemsize
         self.counters = SchedulerCounters()
+        self.tier_keys = TierKeys(
+            isolating=settings.isolate_cache_salt,
+            secret=settings.peers.secret if settings.peers is not None else None,
+        )
+        """Each item's key in this tier; K is fixed here, for the engine's life."""
+        self._asking: Request | None = None
+        """The request vLLM asks `has_cache_item` about: the one `ensure_cache_available`
+        was last called for in this step (None: none yet)."""
+        self._asking_ids: frozenset[str] | None = None
+        """The identifiers of `_asking`'s items (of several), built at its first lookup."""
         self.allocator = BlockAllocator(
             self.layout.num_blocks,
             make_policy(settings.policy, self.layout.num_blocks),
@@ -132,7 +152,9 @@ class ECCPUScheduler:
             ItemInputs(vllm_config.model_config),
             self._widths,
             RateLimitedWarnings(logger).warn,
+            keys=self.tier_keys,
         )
+        self._warn_now_and_then = RateLimitedWarnings(logger).warn
         self._saves = Saves(
             self.allocator,
             self.counters,
@@ -180,6 +202,7 @@ class ECCPUScheduler:
             availability.stale.__contains__,
             lambda rows, cols: self.layout.blocks_for(rows, cols, self._itemsize),
             refresh=self._apply_side_reports,
+            item_keys=self.tier_keys.keys_of,
         )
 
     @property
@@ -195,7 +218,19 @@ class ECCPUScheduler:
     # ------------------------------------------------------------ lookups
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True iff a ready entry exists on a consumer (`Availability.promise`).
+        """True iff a ready entry of the item's tier key exists on a consumer
+        (`Availability.promise`).
+
+        vLLM asks by identifier alone. It calls `ensure_cache_available` for a
+        request right before it looks up that request's items (vLLM's
+        `Scheduler.schedule`: the running and the waiting loop each call it,
+        through `_ec_transfer_pending` for the latter, before
+        `_try_schedule_encoder_inputs`), so the identifier is resolved to a tier
+        key through the request that call named (`_asking`). An identifier that
+        request does not have (a vLLM that did not call it first) is a miss, with
+        a rate-limited warning while isolating: the item is encoded again rather
+        than risk another tenant's entry. With isolation off the identifier is
+        the key, whatever the order.
 
         The entry is pinned on the spot (a *promise*): nothing allocated later in
         the step, a save of another item of the same request included, can evict
@@ -210,12 +245,41 @@ class ECCPUScheduler:
         # vLLM calls them once per item, and the wrapper's frame is a measurable
         # share of their cost.
         with self.lock:
-            return self.is_consumer and self._availability.promise(identifier, self._plan.loads)
+            if not self.is_consumer:
+                return False
+            key = self._key_asked(identifier) if self.tier_keys.isolating else identifier
+            return key is not None and self._availability.promise(key, self._plan.loads)
+
+    def _key_asked(self, identifier: str) -> str | None:
+        """The tier key of `identifier` in the request vLLM is asking about, or None."""
+        request = self._asking
+        if request is not None:
+            features = request.mm_features
+            if len(features) == 1:  # the usual request: no set to build
+                has = features[0].identifier == identifier
+            else:
+                ids = self._asking_ids
+                if ids is None:
+                    ids = self._asking_ids = frozenset(f.identifier for f in features)
+                has = identifier in ids
+            if has:
+                suffix = self.tier_keys.suffix(request)
+                return identifier + suffix if suffix else identifier
+        self._warn_now_and_then(
+            "unresolved",
+            "EC CPU tier: vLLM looked up an item (%s) of a request it had not called "
+            "ensure_cache_available for first; with ec_isolate_cache_salt the tier "
+            "cannot tell that request's cache_salt, so the item is encoded instead",
+            identifier,
+        )
+        return None
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """False while the request should wait for entries other engines are sending.
 
-        vLLM calls this for a request before looking up its items. An entry
+        vLLM calls this for a request before looking up its items, and
+        `has_cache_item` relies on it: the request named here is the one whose
+        `cache_salt` decides the keys of the lookups that follow. An entry
         whose stored row count differs from the item's embedding count (a
         client UUID reused for other content) is removed here, so the item is
         a miss instead of a silently wrong load. With a remote source, the
@@ -229,6 +293,11 @@ class ECCPUScheduler:
         `take_unavailable_requests` hands it to vLLM, which fails it.
         """
         with self.lock:
+            # First, on every path: `has_cache_item` resolves the identifiers vLLM asks
+            # about next through this request (see there).
+            if request is not self._asking:
+                self._asking = request
+                self._asking_ids = None
             if not self.is_consumer:
                 return True
             return self._availability.ensure(request, num_computed_tokens, self.remote)
@@ -259,7 +328,9 @@ class ECCPUScheduler:
             if self._shut_down:
                 return
             feature = request.mm_features[index]
-            key = feature.identifier
+            identifier = feature.identifier
+            suffix = self.tier_keys.suffix(request)
+            key = identifier + suffix if suffix else identifier
             plan = self._plan
             if key in plan.loads:
                 # the same item of another request in this step: one load serves both
@@ -271,20 +342,22 @@ class ECCPUScheduler:
                 self.allocator.policy.on_request(key)  # `note_request`
                 if key in self._availability.promised:
                     counters.hits += 1
-                    self._dispatch_load(key)
+                    self._dispatch_load(key, identifier)
                     plan.takers[key] = [request.request_id]
                     return
             if self.is_producer and key not in self.allocator:
-                self._saves.allocate(feature, plan)
+                self._saves.allocate(feature, plan, key)
 
-    def _dispatch_load(self, key: str) -> None:
+    def _dispatch_load(self, key: str, identifier: str) -> None:
         entry = self.allocator.get(key)
         assert entry is not None and entry.shape is not None, "a promised entry is pinned"
         self._availability.take_promise(key)
         tid = self._next_tid
         self._next_tid += 1
         shape = entry.shape
-        self._plan.add_load(key, tid, self.allocator.block_ids(entry), shape, entry.runs)
+        self._plan.add_load(
+            key, tid, self.allocator.block_ids(entry), shape, entry.runs, identifier=identifier
+        )
         counters = self.counters
         counters.loads_dispatched += 1
         counters.load_rows += shape[0]
@@ -329,6 +402,7 @@ class ECCPUScheduler:
         if self._reaches_workers(scheduler_output):
             self._worker_step += 1
         self._availability.release_promises()
+        self._asking = self._asking_ids = None  # the next step's lookups name their request anew
         plan, self._plan = self._plan, StepPlan()
         if plan.loads and scheduler_output.free_encoder_mm_hashes:
             self._withdraw_dropped_loads(plan, scheduler_output)
@@ -468,6 +542,7 @@ class ECCPUScheduler:
             self._connections.close_files()
             self.is_producer = self.is_consumer = False
             self._plan = StepPlan()
+            self._asking = self._asking_ids = None
             self._availability.clear()
             self.settlement.clear()
             self.allocator.clear()

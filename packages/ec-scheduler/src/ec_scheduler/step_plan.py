@@ -25,13 +25,15 @@ class StepPlan:
       * the metadata `hand_over` builds holds these very dicts, in the order
         the copies were planned (the per-step metadata is the plan, nothing
         more), so a plan is handed over once and not touched afterwards;
-      * `withdraw_untaken` removes a load from every dict that names it.
+      * `withdraw_untaken` removes a load from every dict that names it;
+      * `identifiers` maps exactly the keys of `saves` and `loads` that are not
+        vLLM's identifier (salted keys, `ec_scheduler.tenancy`) to it.
 
     The scheduler reads and writes the dicts directly on its per-item paths
     (`update_state_after_alloc`): they are plain attributes for that reason.
     """
 
-    __slots__ = ("loads", "runs", "saves", "shapes", "takers")
+    __slots__ = ("identifiers", "loads", "runs", "saves", "shapes", "takers")
 
     def __init__(self) -> None:
         self.saves: dict[str, list[int]] = {}
@@ -45,19 +47,42 @@ class StepPlan:
         self.takers: dict[str, list[str]] = {}
         """The requests each load is for (the same item in several requests of one
         step is loaded once)."""
+        self.identifiers: dict[str, str] = {}
+        """vLLM's identifier of each key of `saves` and `loads` that is not one."""
 
-    def add_save(self, key: str, block_ids: list[int], shape: Shape, runs: Runs) -> None:
-        """Plan a save of `key` into `block_ids`, for an output of `shape`."""
+    def add_save(
+        self,
+        key: str,
+        block_ids: list[int],
+        shape: Shape,
+        runs: Runs,
+        *,
+        identifier: str | None = None,
+    ) -> None:
+        """Plan a save of `key` (the item vLLM names `identifier`; None: `key`) into
+        `block_ids`, for an output of `shape`."""
         self.saves[key] = block_ids
         self.shapes[key] = shape
         self.runs[key] = runs
+        if identifier is not None and key != identifier:
+            self.identifiers[key] = identifier
 
     def add_load(
-        self, key: str, transfer_id: int, block_ids: list[int], shape: Shape, runs: Runs
+        self,
+        key: str,
+        transfer_id: int,
+        block_ids: list[int],
+        shape: Shape,
+        runs: Runs,
+        *,
+        identifier: str | None = None,
     ) -> None:
-        """Plan a load of `key` (its takers are added by the caller)."""
+        """Plan a load of `key` (the item vLLM names `identifier`; None: `key`; its
+        takers are added by the caller)."""
         self.loads[key] = (transfer_id, block_ids, shape)
         self.runs[key] = runs
+        if identifier is not None and key != identifier:
+            self.identifiers[key] = identifier
 
     def withdraw_untaken(
         self, freed: Iterable[str], scheduled: Mapping[str, object]
@@ -78,7 +103,7 @@ class StepPlan:
         request of this step may load again).
         """
         withdrawn: list[tuple[str, Shape]] = []
-        for key in freed:
+        for key in self._load_keys_of(freed):
             takers = self.takers.get(key)
             if takers is None or key not in self.loads:
                 continue
@@ -86,8 +111,19 @@ class StepPlan:
                 continue
             _, _, shape = self.loads.pop(key)
             self.runs.pop(key, None)
+            self.identifiers.pop(key, None)
             withdrawn.append((key, shape))
         return withdrawn
+
+    def _load_keys_of(self, identifiers: Iterable[str]) -> Iterable[str]:
+        """The keys of the loads of vLLM's `identifiers`, in their order (`freed`
+        names vLLM's identifiers; a salted load's key wraps one)."""
+        if not self.identifiers:
+            return identifiers
+        by_identifier: dict[str, list[str]] = {}
+        for key in self.loads:
+            by_identifier.setdefault(self.identifiers.get(key, key), []).append(key)
+        return [key for identifier in identifiers for key in by_identifier.get(identifier, ())]
 
     def hand_over(self, step: int) -> ECCPUConnectorMetadata:
         """The workers' metadata for step number `step`: this plan's copies."""
@@ -97,4 +133,5 @@ class StepPlan:
             step=step,
             save_shapes=self.shapes,
             runs=self.runs,
+            identifiers=self.identifiers,
         )

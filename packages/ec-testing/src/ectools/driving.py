@@ -32,8 +32,15 @@ class Item:
     modality: str = "image"
 
 
-def make_request(request_id: str, items: Sequence[Item], *, text_tokens: int = 4) -> Request:
-    """A real vLLM Request whose prompt holds `items` after some text tokens."""
+def make_request(
+    request_id: str,
+    items: Sequence[Item],
+    *,
+    text_tokens: int = 4,
+    cache_salt: str | None = None,
+) -> Request:
+    """A real vLLM Request whose prompt holds `items` after some text tokens (with
+    vLLM's per-tenant `cache_salt`, if given)."""
     features = []
     offset = text_tokens
     for item in items:
@@ -54,6 +61,7 @@ def make_request(request_id: str, items: Sequence[Item], *, text_tokens: int = 4
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
         mm_features=features,
+        cache_salt=cache_salt,
     )
 
 

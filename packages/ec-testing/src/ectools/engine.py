@@ -73,6 +73,9 @@ class EngineSpec:
     """Tensor-parallel ranks (each a worker process; one CPU core each)."""
     ec_transfer_params: dict[str, Any] = field(default_factory=dict)
     """Per image index (as a string): the `ec_transfer_params` its requests carry."""
+    cache_salts: list[str | None] = field(default_factory=list)
+    """Per pass, vLLM's `cache_salt` its requests carry (None, or a pass past the end
+    of the list: none)."""
     shutdown_grace_s: int | None = None
     """How long vLLM lets the engine's processes shut down before it SIGKILLs them
     (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`); None keeps vLLM's 5 s."""
@@ -272,6 +275,9 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     region_dir = spec.extra.get("ec_cpu_dir", "/dev/shm")
     for number, indices in enumerate(spec.passes):
         prompts = [prompts_of[i] for i in indices]
+        salt = spec.cache_salts[number] if number < len(spec.cache_salts) else None
+        if salt is not None:
+            prompts = [{**prompt, "cache_salt": salt} for prompt in prompts]
         encoded_before = encoded[0] if encoded is not None else 0
         hits_before = scheduler.counters.hits if scheduler is not None else 0
         if spec.announce_passes:

@@ -183,9 +183,15 @@ def image_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_body(model: str, url: str, max_tokens: int) -> dict[str, Any]:
+def chat_body(
+    model: str, url: str, max_tokens: int, cache_salt: str | None = None
+) -> dict[str, Any]:
     """A chat completion with one image part (`url`: see `image_url`), greedy, of fixed
-    length (`ignore_eos`): keyword arguments for the `openai` client's `create`."""
+    length (`ignore_eos`), with vLLM's `cache_salt` if given: keyword arguments for the
+    `openai` client's `create`."""
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if cache_salt is not None:
+        extra["cache_salt"] = cache_salt
     return {
         "model": model,
         "messages": [
@@ -199,13 +205,16 @@ def chat_body(model: str, url: str, max_tokens: int) -> dict[str, Any]:
         ],
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "extra_body": {"ignore_eos": True},
+        "extra_body": extra,
     }
 
 
-def ask(client: Any, model: str, image: Any, max_tokens: int = 8) -> tuple[str, float]:
-    """One chat completion through the `openai` client: its text and its seconds."""
-    body = chat_body(model, image_url(image), max_tokens)
+def ask(
+    client: Any, model: str, image: Any, max_tokens: int = 8, cache_salt: str | None = None
+) -> tuple[str, float]:
+    """One chat completion through the `openai` client (with vLLM's `cache_salt`, if
+    given): its text and its seconds."""
+    body = chat_body(model, image_url(image), max_tokens, cache_salt)
     began = time.perf_counter()
     response = client.chat.completions.create(**body)
     return response.choices[0].message.content or "", time.perf_counter() - began

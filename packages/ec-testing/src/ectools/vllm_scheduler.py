@@ -8,9 +8,11 @@ figures are given here instead.
 
 `SimulatedWorker` plays one rank: an encoder cache keyed by identifier and a
 region whose blocks hold the identifier (and row count) of the item whose rows
-were written there; like the real worker, it saves only an output of the shape
-the scheduler sent. It checks every gather of a step: an item missing from its encoder cache,
-or holding another item's rows or another row count, is recorded in `errors`; so is an
+were written there, and the key they were saved under; like the real worker, it
+saves only an output of the shape the scheduler sent, and reads and writes the
+encoder cache under the identifier the metadata names for a salted key. It
+checks every gather of a step: an item missing from its encoder cache, or
+holding another item's rows or another row count, is recorded in `errors`; so is an
 item left in its encoder cache after a step that vLLM's encoder cache manager no longer
 tracks (vLLM would never tell the worker to free it).
 `run_step` is one engine step: `schedule`, the worker, `update_from_output`.
@@ -131,9 +133,11 @@ def mm_request(
     gap: int = 2,
     max_tokens: int = 2,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> Request:
     """A request with `text` text tokens, then each `(identifier, embeds)` item
-    followed by `gap` text tokens, then one more text token."""
+    followed by `gap` text tokens, then one more text token (and vLLM's
+    per-tenant `cache_salt`, if given)."""
     features = []
     offset = text
     for identifier, embeds in items:
@@ -154,6 +158,7 @@ def mm_request(
         pooling_params=None,
         mm_features=features,
         priority=priority,
+        cache_salt=cache_salt,
     )
 
 
@@ -163,6 +168,7 @@ class _Copy:
     meta_step: int
     tid: int = -1
     key: str = ""
+    identifier: str = ""
     blocks: list[int] = field(default_factory=list)
     rows: int = 0
 
@@ -181,6 +187,10 @@ class SimulatedWorker:
     """identifier -> (whose rows, how many)"""
     region: dict[int, tuple[str, int]] = field(default_factory=dict)
     """block -> (whose rows, how many rows that item has)"""
+    region_keys: dict[int, str] = field(default_factory=dict)
+    """block -> the key of the save that wrote it"""
+    loaded: list[tuple[str, str]] = field(default_factory=list)
+    """(key loaded, key of the save whose rows it found), per load"""
     errors: list[str] = field(default_factory=list)
     _copies: list[_Copy] = field(default_factory=list)
     _step: int = 0
@@ -196,7 +206,13 @@ class SimulatedWorker:
             for key, (tid, blocks, (rows, _)) in meta.loads.items():
                 owners = {self.region.get(block, ("nothing", 0)) for block in blocks}
                 owner, saved = owners.pop() if len(owners) == 1 else (f"a mix of {owners}", 0)
-                self.cache[key] = (owner if saved == rows else f"{owner} ({saved} rows)", rows)
+                identifier = meta.identifiers.get(key, key)
+                self.cache[identifier] = (
+                    owner if saved == rows else f"{owner} ({saved} rows)",
+                    rows,
+                )
+                writers = {self.region_keys.get(block, "nothing") for block in blocks}
+                self.loaded.append((key, writers.pop() if len(writers) == 1 else "a mix"))
                 self._copies.append(_Copy(self._due(), meta.step, tid=tid))
             encoded = set()
             for request_id, indices in output.scheduled_encoder_inputs.items():
@@ -207,9 +223,17 @@ class SimulatedWorker:
                     encoded.add(feature.identifier)
             for key, blocks in meta.saves.items():
                 rows = meta.save_shapes[key][0]
-                if key in encoded and self.cache[key][1] == rows:
+                identifier = meta.identifiers.get(key, key)
+                if identifier in encoded and self.cache[identifier][1] == rows:
                     self._copies.append(
-                        _Copy(self._due(), meta.step, key=key, blocks=blocks, rows=rows)
+                        _Copy(
+                            self._due(),
+                            meta.step,
+                            key=key,
+                            identifier=identifier,
+                            blocks=blocks,
+                            rows=rows,
+                        )
                     )
                 else:  # the real worker reports a save whose output never came, or
                     # came in another shape, as failed
@@ -221,7 +245,8 @@ class SimulatedWorker:
                 waiting.append(copy)
             elif copy.key:
                 for block in copy.blocks:
-                    self.region[block] = (copy.key, copy.rows)
+                    self.region[block] = (copy.identifier, copy.rows)
+                    self.region_keys[block] = copy.key
                 report.save_acks.append((0, copy.meta_step, copy.key))
             else:
                 report.load_acks.append((0, copy.tid))

@@ -358,12 +358,14 @@ class NixlRemoteSource:
             # it expired (a burst of aborts could pin the whole region).
             return None
         items: dict[str, list[int]] = {}
-        for feature in request.mm_features:
-            if self._local.state(feature.identifier) == "missing":
+        # By this engine's keys: a salted item's names only the salt's digest, so the
+        # handle serves only requests of the same salt (`ec_scheduler.tenancy`).
+        for key in self._local.item_keys(request):
+            if self._local.state(key) == "missing":
                 continue
-            shape = self._local.shape(feature.identifier)
+            shape = self._local.shape(key)
             if shape is not None:
-                items[feature.identifier] = [shape[0], shape[1]]
+                items[key] = [shape[0], shape[1]]
         if not items:
             return None
         handle: dict[str, Any] = {

@@ -62,8 +62,14 @@ class EntryLoads(RegionCopies):
             )
             for key, (tid, block_ids, shape) in items
         ]
+        # vLLM's encoder cache holds an item under its identifier; a salted key names
+        # it in `identifiers` (reports keep the key, by transfer id).
+        identifiers = metadata.identifiers
         if len(loads) == 1:  # the usual step: the same as below, without the lists
-            encoder_cache[loads[0].key] = self._load_one(loads[0])
+            key = loads[0].key
+            encoder_cache[identifiers.get(key, key) if identifiers else key] = self._load_one(
+                loads[0]
+            )
             return
         staged: list[tuple[PlannedLoad, torch.Tensor]] = []
         unstaged: list[tuple[PlannedLoad, torch.Tensor | None, Exception]] = []
@@ -96,7 +102,7 @@ class EntryLoads(RegionCopies):
         for load, maybe_buffer, cause in unstaged:
             staged.append((load, self._load_now(load, maybe_buffer, cause)))
         for load, buffer in staged:
-            encoder_cache[load.key] = buffer
+            encoder_cache[identifiers.get(load.key, load.key)] = buffer
 
     def _load_one(self, load: PlannedLoad) -> torch.Tensor:
         """The entry of a step that loads only `load`, copied: what `start_load_caches`

@@ -28,6 +28,8 @@ class EntrySaves(RegionCopies):
     _queued: set[str]
     _pending_saves: list[PendingSave]
     _failed_saves: list[tuple[int, str]]
+    _save_keys: tuple[ECCPUConnectorMetadata | None, dict[str, list[str]]]
+    """The metadata whose salted saves `_save_keys_of` indexed, and that index."""
 
     def save_caches(
         self,
@@ -35,21 +37,50 @@ class EntrySaves(RegionCopies):
         mm_hash: str,
         metadata: ECCPUConnectorMetadata,
     ) -> None:
-        """Queue `encoder_cache[mm_hash]` for this step's save batch.
+        """Queue `encoder_cache[mm_hash]` for this step's save batch, once for each
+        key the scheduler asked to save it under.
 
-        vLLM calls it once per encoder output computed in the step. Not a save
-        rank, or not a save the scheduler asked for: nothing happens.
+        vLLM calls it once per encoder output computed in the step, with its
+        identifier (`mm_hash`). The scheduler keys a save by the item's tier key,
+        which is the identifier unless the item's request has a `cache_salt`
+        (`metadata.identifiers` then names the identifier). Not a save rank, or
+        not a save the scheduler asked for: nothing happens.
         """
         if not self.saves_here or self._closed:
             return
-        block_ids = metadata.saves.get(mm_hash)
-        if block_ids is None or mm_hash in self._queued:
+        if not metadata.identifiers:  # the usual step: every key is an identifier
+            self._queue_save(encoder_cache, mm_hash, mm_hash, metadata)
+            return
+        for key in self._save_keys_of(mm_hash, metadata):
+            self._queue_save(encoder_cache, mm_hash, key, metadata)
+
+    def _save_keys_of(self, identifier: str, metadata: ECCPUConnectorMetadata) -> list[str]:
+        """The keys of `metadata.saves` whose item vLLM names `identifier`."""
+        indexed, index = self._save_keys
+        if indexed is not metadata:
+            index = {}
+            names = metadata.identifiers
+            for key in metadata.saves:
+                index.setdefault(names.get(key, key), []).append(key)
+            self._save_keys = (metadata, index)
+        return index.get(identifier, [])
+
+    def _queue_save(
+        self,
+        encoder_cache: dict[str, torch.Tensor],
+        mm_hash: str,
+        key: str,
+        metadata: ECCPUConnectorMetadata,
+    ) -> None:
+        """Queue the save of `encoder_cache[mm_hash]` under `key` (see `save_caches`)."""
+        block_ids = metadata.saves.get(key)
+        if block_ids is None or key in self._queued:
             return
         source = encoder_cache.get(mm_hash)
         if source is None:
             return  # reported as failed at the end of the step
-        self._queued.add(mm_hash)
-        shape = metadata.save_shapes.get(mm_hash)
+        self._queued.add(key)
+        shape = metadata.save_shapes.get(key)
         block_size = self.block_size
         nbytes = 0 if shape is None else math.prod(shape) * self._itemsize
         # The usual tensor passes on three compares (`torch.Size == tuple`); any
@@ -64,11 +95,9 @@ class EntrySaves(RegionCopies):
                 source, shape, block_ids, dtype=self.dtype, block_size=block_size
             )
             if problem is not None or shape is None:
-                self._fail_save(
-                    mm_hash, self._step, problem or "the scheduler sent no shape for it"
-                )
+                self._fail_save(key, self._step, problem or "the scheduler sent no shape for it")
                 return
-        runs = checked_runs(block_ids, metadata.runs.get(mm_hash))
+        runs = checked_runs(block_ids, metadata.runs.get(key))
         if len(runs) == 1:
             lowest, count = runs[0]
             end = lowest + count
@@ -79,14 +108,14 @@ class EntrySaves(RegionCopies):
         if end > self._reserved_blocks or lowest < 0:
             problem = self._unreserved_problem(lowest, end)
             if problem is not None:
-                self._fail_save(mm_hash, self._step, problem, kind="save-unreserved")
+                self._fail_save(key, self._step, problem, kind="save-unreserved")
                 return
         try:
             data = source.contiguous()
         except RuntimeError as exc:  # a strided output's copy found no device memory
-            self._fail_save(mm_hash, self._step, f"cannot make a contiguous copy of it: {exc}")
+            self._fail_save(key, self._step, f"cannot make a contiguous copy of it: {exc}")
             return
-        self._pending_saves.append(PendingSave(mm_hash, self._step, data, block_ids, nbytes, runs))
+        self._pending_saves.append(PendingSave(key, self._step, data, block_ids, nbytes, runs))
 
     def _unreserved_problem(self, lowest: int, end: int) -> str | None:
         """Why blocks `[lowest, end)` must not be written, or None once the

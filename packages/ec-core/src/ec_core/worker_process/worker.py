@@ -110,6 +110,7 @@ class ECCPUWorker(EntryLoads, EntrySaves):
         self._inflight = InFlight(self._rank)
         self._pending_saves: list[PendingSave] = []
         self._queued: set[str] = set()
+        self._save_keys = (None, {})
         self._failed_saves: list[tuple[int, str]] = []
         self._fallbacks: list[str] = []
         self._closed = False
