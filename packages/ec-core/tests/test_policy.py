@@ -249,3 +249,59 @@ def test_wtinylfu_recency_mode_moves_every_hit_to_the_window() -> None:
     policy._set_recency_mode(False)
     assert policy.window_target == policy.initial_window
     assert policy.segment_blocks()["window"] <= max(policy.window_target, 20)
+
+
+def test_wtinylfu_sketch_keeps_counts_through_warm_up_growth() -> None:
+    """While the pool fills, the sketch grows (1024 -> 8192 -> 65536 counters a row)
+    under the policy's own growth rule: no key's estimate drops below its request
+    count since the last halving (none here), whatever grew in between."""
+    policy = WTinyLFUPolicy(100_000, sketch_period_factor=1e6)
+    alloc = BlockAllocator(100_000, policy)
+    requested: dict[str, int] = {}
+    widths = [policy.sketch.width]
+    for i in range(5_000):
+        keys = [f"k{i}", f"k{i // 3}", f"k{i // 7}"]
+        for key in keys:
+            requested[key] = requested.get(key, 0) + 1
+        _replay(alloc, keys, 1)
+        if policy.sketch.width != widths[-1]:
+            widths.append(policy.sketch.width)
+            lost = [k for k, n in requested.items() if policy.sketch.estimate(k) < min(n, 15)]
+            assert not lost, f"growth to {widths[-1]} lost the counts of {lost[:5]}"
+    assert widths == [1024, 8192, 65536] and policy.sketch.resets == 0
+    assert all(policy.sketch.estimate(k) >= min(n, 15) for k, n in requested.items())
+
+
+def test_wtinylfu_guard_fires_when_the_policy_gets_no_hits() -> None:
+    """The guard's samples count every requested block, hit or miss: a policy that
+    serves nothing (here every save fails and is discarded) still follows the
+    shadow LRU into recency mode on recency traffic."""
+    pool = 40 * 10
+    policy = WTinyLFUPolicy(pool)
+    alloc = BlockAllocator(pool, policy)
+    hits = 0
+    for key in _sliding_sessions(600):
+        alloc.note_request(key)
+        if alloc.get(key) is not None:
+            hits += 1
+        elif alloc.alloc(key, 10) is not None:
+            alloc.discard(key)  # the save failed: the entry never became ready
+    assert hits == 0
+    assert policy.recency_mode and policy.mode_changes >= 1
+
+
+def test_s3lfu_history_bound_follows_the_entries_down() -> None:
+    """The request history may hold 8 keys per entry; once the pool holds fewer
+    entries (many small ones replaced), the bound comes back down with them."""
+    pool = 20_000
+    policy = S3LFUPolicy(pool)
+    alloc = BlockAllocator(pool, policy)
+    for i in range(pool):
+        assert _save(alloc, f"small{i}", 1, seen=2)
+    assert policy._history.limit >= 8 * (pool - 1)  # grown with the entries
+    for i in range(pool):
+        alloc.drop(f"small{i}")
+    for i in range(3 * (1 << 16)):
+        alloc.note_request(f"later{i}")
+    assert policy._history.limit == 1 << 16
+    assert len(policy._history.counts) <= 1 << 16

@@ -22,7 +22,7 @@ from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_core.scheduler_process.frequency_sketch import FrequencySketch, key_hash
 from ec_core.scheduler_process.policy import make_policy
 from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
-from ec_core.scheduler_process.shadows import ShadowTinyLFU
+from ec_core.scheduler_process.shadows import ShadowLRU, ShadowTinyLFU
 
 POLICY_FILES = frozenset(
     module.__file__ for module in (policy_wtinylfu, frequency_sketch, shadows, first_sightings)
@@ -274,3 +274,23 @@ def test_frequency_expert_duel_weighs_a_bounded_number_of_victims() -> None:
     weighed.clear()
     shadow._offer("large", 2_000)  # the duel a window overflow starts
     assert 0 < len(weighed) <= 32 + 1, len(weighed)  # the victims, and the candidate
+
+
+def test_shadow_insert_of_a_present_key_counts_it_once() -> None:
+    """Saving a key a shadow already holds replaces it: its blocks count once, and
+    the frequency expert holds it in one part only."""
+    lru = ShadowLRU(100)
+    lru.insert("a", 10)
+    lru.insert("a", 30)
+    assert lru.used == sum(lru.order.values()) == 30
+    sketch = FrequencySketch(1024)
+    tiny = ShadowTinyLFU(100, 0.1, sketch)
+    for key in ("a", "b", "c"):
+        tiny.insert(key, 5)  # a overflows the 10-block window into main
+    assert "a" in tiny.main
+    tiny.insert("b", 5)
+    tiny.insert("a", 5)
+    assert not tiny.window.keys() & tiny.main.keys()
+    assert tiny.window_used == sum(tiny.window.values())
+    assert tiny.main_used == sum(tiny.main.values())
+    assert tiny.window_used + tiny.main_used == 15

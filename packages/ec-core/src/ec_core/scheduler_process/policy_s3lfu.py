@@ -17,13 +17,21 @@ class _History:
 
     When more than `limit` keys are tracked, every count is halved and keys
     that reach zero are forgotten: memory stays bounded and old popularity
-    fades. Amortised O(1): a halving pass over m keys happens at most once per
-    m/2 new keys.
+    fades. `limit` is at least `floor` and follows the pool's entry count
+    (`follow`), down as well as up. Amortised O(1): a halving pass over m keys
+    happens at most once per m/2 new keys (a few passes in a row when the
+    limit has just dropped far).
     """
 
     def __init__(self, limit: int) -> None:
-        self.limit = max(limit, 64)
+        self.floor = max(limit, 64)
+        self.limit = self.floor
         self.counts: dict[str, int] = {}
+
+    def follow(self, entries: int) -> None:
+        """Allow 8 keys per entry the pool holds (history must outlive the
+        entries it ranks), never fewer than `floor`."""
+        self.limit = max(self.floor, 8 * entries)
 
     def touch(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -100,8 +108,7 @@ class S3LFUPolicy(FirstSightingGate):
 
     def on_request(self, key: str) -> None:
         self._history.touch(key)
-        # History must outlive the entries it ranks.
-        self._history.limit = max(self._history.limit, 8 * len(self._blocks))
+        self._history.follow(len(self._blocks))
 
     def admit(self, key: str, num_blocks: int) -> bool:
         if self._history.get(key) >= 2 or key in self._ghost:

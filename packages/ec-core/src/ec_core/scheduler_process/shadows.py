@@ -29,10 +29,12 @@ class ShadowLRU:
         return set(self.order)
 
     def insert(self, key: str, blocks: int) -> None:
-        """Save a missed item, evicting least recent first."""
+        """Save a missed item, evicting least recent first (a key held already is
+        replaced: its blocks count once)."""
+        order = self.order
+        self.used -= order.pop(key, 0)
         if not 0 < blocks <= self.capacity:
             return
-        order = self.order
         order[key] = blocks
         self.used += blocks
         while self.used > self.capacity:
@@ -71,10 +73,13 @@ class ShadowTinyLFU:
         return set(self.window) | set(self.main)
 
     def insert(self, key: str, blocks: int) -> None:
-        """Save a missed item in the window; overflow duels for main."""
+        """Save a missed item in the window; overflow duels for main (a key held
+        already, in either part, is replaced: its blocks count once)."""
+        window = self.window
+        self.window_used -= window.pop(key, 0)
+        self.main_used -= self.main.pop(key, 0)
         if not 0 < blocks <= self.main_capacity:
             return
-        window = self.window
         window[key] = blocks
         self.window_used += blocks
         while self.window_used > self.window_capacity:
