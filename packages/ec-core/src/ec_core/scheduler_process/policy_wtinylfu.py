@@ -65,7 +65,10 @@ class WTinyLFUPolicy(FirstSightingGate):
       before it left the pool". When that falls below
       `admit_threshold` (a stream of one-off images) only one first sighting
       in `probe_every` is written, so one-offs cost no copy and push nothing
-      out. Items seen before are always saved. It acts in both modes.
+      out. Items seen before (an estimate of 2 or more) are always saved. A
+      key back from a ghost list whose count halving aged to 1 is treated as
+      a first sighting, by choice: admitting it too was measured (issue 36)
+      and lost on Zipf and session traces. It acts in both modes.
     * **Sketch.** A `FrequencySketch`, `16 x` the entry count wide (grown as
       the pool holds more entries, never past `max_sketch_width` counters a
       row), halved every `sketch_period_factor` widths of requests. A key is
