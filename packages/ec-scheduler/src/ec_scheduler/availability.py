@@ -22,7 +22,6 @@ from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.inputs import ItemInputs
 from ec_scheduler.remote import ANY_WIDTH, RemoteSource, Wanted
-from ec_scheduler.tenancy import TierKeys
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import PlaceholderRange
@@ -68,12 +67,8 @@ class Availability:
         inputs: ItemInputs,
         widths: dict[str, int],
         warn_now_and_then: Callable[..., Any],
-        *,
-        keys: TierKeys | None = None,
     ) -> None:
-        """`widths` is the scheduler's own dict of measured widths (shared, not copied);
-        `keys` names a request's entries (None: by identifier, no isolation)."""
-        self.keys = keys if keys is not None else TierKeys(isolating=False, secret=None)
+        """`widths` is the scheduler's own dict of measured widths (shared, not copied)."""
         self.allocator = allocator
         self.counters = counters
         self.inputs = inputs
@@ -137,9 +132,16 @@ class Availability:
     # ------------------------------------------------------------- requests
 
     def ensure(
-        self, request: Request, num_computed_tokens: int, remote: RemoteSource | None
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        remote: RemoteSource | None,
+        suffix: str = "",
     ) -> bool:
         """`ensure_cache_available` on a consumer: False while the request waits.
+
+        `suffix` turns the request's identifiers into its entries' keys
+        (`TierKeys.suffix` of the request, computed once by the caller).
 
         Stale entries of the request's items are retired here, so the item is a
         miss instead of a silently wrong load. With a remote source, the items
@@ -149,11 +151,11 @@ class Availability:
         if request.request_id in self.unavailable:
             return False
         if remote is None:
-            if self._retire_stale_of(request, num_computed_tokens):
+            if self._retire_stale_of(request, num_computed_tokens, suffix):
                 return True  # every item carries its input
-        elif not self._ask_remote(request, num_computed_tokens, remote):
+        elif not self._ask_remote(request, num_computed_tokens, remote, suffix):
             return False
-        return self._all_supplied(request, num_computed_tokens)
+        return self._all_supplied(request, num_computed_tokens, suffix)
 
     def take_unavailable(self) -> set[str]:
         """The requests found unavailable since the last call (each once)."""
@@ -162,14 +164,13 @@ class Availability:
         taken, self.unavailable = self.unavailable, set()
         return taken
 
-    def _all_supplied(self, request: Request, num_computed_tokens: int) -> bool:
+    def _all_supplied(self, request: Request, num_computed_tokens: int, suffix: str) -> bool:
         """False, with the request marked unavailable, if one of its items still to be
         encoded carries no input and nothing holds it.
 
         An item with input (nearly every item) costs one test here: the rest only
         runs for items without input."""
         carries_input = self.inputs.carries_input
-        suffix = self.keys.suffix(request)
         for index, feature in enumerate(request.mm_features):
             if carries_input(feature):
                 continue
@@ -207,14 +208,13 @@ class Availability:
             return False
         return True
 
-    def _retire_stale_of(self, request: Request, num_computed_tokens: int) -> bool:
+    def _retire_stale_of(self, request: Request, num_computed_tokens: int, suffix: str) -> bool:
         """Without a remote source: retire the request's stale entries; whether every
         item carries its input (else `_all_supplied` must look further; one loop for
         both in the usual case)."""
         entries = self.allocator.get
         carries_input = self.inputs.carries_input
         plain = self.inputs.plain
-        suffix = self.keys.suffix(request)
         all_carry = True
         for feature in request.mm_features:
             # `carries_input`, with its usual answer inline: this runs for every item.
@@ -229,10 +229,11 @@ class Availability:
             self._holds(entry, num_embeds(position), request.request_id)
         return all_carry
 
-    def _ask_remote(self, request: Request, num_computed_tokens: int, remote: RemoteSource) -> bool:
+    def _ask_remote(
+        self, request: Request, num_computed_tokens: int, remote: RemoteSource, suffix: str
+    ) -> bool:
         """With a remote source: retire stale entries and offer it what is missing."""
         entries = self.allocator.get
-        suffix = self.keys.suffix(request)
         missing: list[Wanted] = []
         for feature in request.mm_features:
             position = feature.mm_position

@@ -137,6 +137,8 @@ class ECCPUScheduler:
         self._asking: Request | None = None
         """The request vLLM asks `has_cache_item` about: the one `ensure_cache_available`
         was last called for in this step (None: none yet)."""
+        self._asking_suffix = ""
+        """`tier_keys.suffix(_asking)`: what its identifiers get to make its keys."""
         self._asking_ids: frozenset[str] | None = None
         """The identifiers of `_asking`'s items (of several), built at its first lookup."""
         self.allocator = BlockAllocator(
@@ -152,7 +154,6 @@ class ECCPUScheduler:
             ItemInputs(vllm_config.model_config),
             self._widths,
             RateLimitedWarnings(logger).warn,
-            keys=self.tier_keys,
         )
         self._warn_now_and_then = RateLimitedWarnings(logger).warn
         self._saves = Saves(
@@ -263,7 +264,7 @@ class ECCPUScheduler:
                     ids = self._asking_ids = frozenset(f.identifier for f in features)
                 has = identifier in ids
             if has:
-                suffix = self.tier_keys.suffix(request)
+                suffix = self._asking_suffix
                 return identifier + suffix if suffix else identifier
         self._warn_now_and_then(
             "unresolved",
@@ -298,9 +299,12 @@ class ECCPUScheduler:
             if request is not self._asking:
                 self._asking = request
                 self._asking_ids = None
+                self._asking_suffix = self.tier_keys.suffix(request)
             if not self.is_consumer:
                 return True
-            return self._availability.ensure(request, num_computed_tokens, self.remote)
+            return self._availability.ensure(
+                request, num_computed_tokens, self.remote, self._asking_suffix
+            )
 
     def take_unavailable_requests(self) -> set[str]:
         """The requests found unavailable since the last call (each once); vLLM fails
@@ -329,7 +333,10 @@ class ECCPUScheduler:
                 return
             feature = request.mm_features[index]
             identifier = feature.identifier
-            suffix = self.tier_keys.suffix(request)
+            # (vLLM allocates the items of the request it last asked about.)
+            suffix = (
+                self._asking_suffix if request is self._asking else self.tier_keys.suffix(request)
+            )
             key = identifier + suffix if suffix else identifier
             plan = self._plan
             if key in plan.loads:
