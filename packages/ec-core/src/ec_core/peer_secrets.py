@@ -16,6 +16,7 @@ Nothing here ever puts a secret into a message, a log line or an exception.
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import stat
@@ -126,6 +127,17 @@ def read_secret_file(path: str) -> tuple[str, ...]:
         raise file_error(path, "is not UTF-8 text") from None
     found = [line.strip() for line in text.splitlines() if line.strip()]
     return _checked(found, f"ec_connector_extra_config[{KEY_SECRET_FILE!r}] = {path!r}")
+
+
+def signed_by_any(mac: bytes, body: bytes, accepted: tuple[bytes, ...]) -> bool:
+    """Whether `mac` is the HMAC-SHA256 of `body` under one of the `accepted` secrets.
+
+    The first (the signing one) is tried alone first: a message from a process
+    that signs as this one does costs one HMAC and no generator.
+    """
+    if hmac.compare_digest(mac, hmac.digest(accepted[0], body, "sha256")):
+        return True
+    return any(hmac.compare_digest(mac, hmac.digest(s, body, "sha256")) for s in accepted[1:])
 
 
 class PeerSecrets:

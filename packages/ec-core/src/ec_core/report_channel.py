@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ec_core._vllm import get_logger
 from ec_core.metadata import ECCPUWorkerReport
+from ec_core.peer_secrets import signed_by_any
 from ec_core.ratelimit import RateLimitedWarnings
 
 if TYPE_CHECKING:
@@ -86,10 +87,7 @@ def decode(frames: list[bytes], accepted: tuple[bytes, ...]) -> ECCPUWorkerRepor
     payload, mac = frames
     # Any of the engine's secrets: its worker may take a rolled secret file a moment
     # before or after its scheduler does (`ec_core.peer_secrets`).
-    if not any(
-        hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest())
-        for secret in accepted
-    ):
+    if not signed_by_any(mac, payload, accepted):
         raise ValueError("not signed with any of this engine's peer secrets")
     try:
         return _report(json.loads(payload))

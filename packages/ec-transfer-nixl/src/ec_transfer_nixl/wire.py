@@ -39,6 +39,8 @@ from typing import Any
 
 import msgspec
 
+from ec_core.peer_secrets import signed_by_any
+
 WIRE_VERSION = 3
 MAGIC = f"ECCPUTIER/{WIRE_VERSION}".encode()
 MAC_BYTES = 32
@@ -146,7 +148,7 @@ def open_frame(frame: bytes, accepted: tuple[bytes, ...], now: float | None = No
     if len(frame) < _HEAD + MAC_BYTES:
         raise WireError(f"a frame of {len(frame)} bytes is too short")
     body = frame[:-MAC_BYTES]
-    if not _signed(frame[-MAC_BYTES:], body, accepted):
+    if not signed_by_any(frame[-MAC_BYTES:], body, accepted):
         raise WireError("the message is not signed with any of this engine's peer secrets")
     try:
         message: Message = _decoder.decode(body[_HEAD:])
@@ -188,12 +190,6 @@ class Replays:
         until[mac] = fresh_until
         order.append((fresh_until, mac))
         return True
-
-
-def _signed(mac: bytes, body: bytes, accepted: tuple[bytes, ...]) -> bool:
-    if hmac.compare_digest(mac, _digest(accepted[0], body, "sha256")):
-        return True  # the hot path: one HMAC, no generator
-    return any(hmac.compare_digest(mac, _digest(s, body, "sha256")) for s in accepted[1:])
 
 
 def handle_signed(accepted: tuple[bytes, ...], fields: dict[str, Any], sig: str) -> bool:
