@@ -1,6 +1,6 @@
 """What the `wtinylfu` policy remembers of keys without holding them (keys and sizes only).
 
-`Ghosts` are the keys that recently left (window sizing, the doorkeeper's
+`Ghosts` are keys remembered after they left (the doorkeeper's
 refusals); `ShadowLRU` and `ShadowTinyLFU` are the two shadow caches its LRU
 guard compares (see `ec_core.scheduler_process.policy_wtinylfu`).
 """
@@ -24,6 +24,8 @@ class ShadowLRU:
         self.used = 0
         self.order: OrderedDict[str, int] = OrderedDict()
         """Key -> blocks, least recent first; the policy serves hits from it directly."""
+        self.evicted = False
+        """Whether it has ever let an item go for lack of room."""
 
     def keys(self) -> set[str]:
         return set(self.order)
@@ -39,6 +41,7 @@ class ShadowLRU:
         self.used += blocks
         while self.used > self.capacity:
             self.used -= order.popitem(last=False)[1]
+            self.evicted = True
 
 
 class ShadowTinyLFU:
@@ -58,11 +61,13 @@ class ShadowTinyLFU:
         window_fraction: float,
         sketch: FrequencySketch,
         max_victims: int = 32,
+        margin: float = 0.0,
     ) -> None:
         self.window_capacity = max(int(capacity * window_fraction), 1)
         self.main_capacity = max(capacity - self.window_capacity, 0)
         self.sketch = sketch
         self.max_victims = max(max_victims, 1)
+        self.margin = margin
         # Key -> blocks, least recent first; the policy serves hits from them directly.
         self.window: OrderedDict[str, int] = OrderedDict()
         self.main: OrderedDict[str, int] = OrderedDict()
@@ -98,7 +103,7 @@ class ShadowTinyLFU:
                 covered += blocks
                 if covered >= excess or seen >= self.max_victims:
                     break
-            if estimate(candidate) * covered <= weighted:
+            if (estimate(candidate) - self.margin) * covered <= weighted:
                 return  # lost the duel: dropped
             while self.main_used + size > self.main_capacity:
                 self.main_used -= main.popitem(last=False)[1]
