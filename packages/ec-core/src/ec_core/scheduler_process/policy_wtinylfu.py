@@ -214,13 +214,38 @@ class WTinyLFUPolicy(FirstSightingGate):
         if key == self._unsized:
             self._learn_size(key, num_blocks)
         digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
-        if self.sketch.estimate_hash(digest) >= 2:
+        estimate = self.sketch.estimate_hash(digest)
+        if estimate < 2 and not self._let_first_sighting_in(key):
+            for _ in range(self._refused.add(key, num_blocks)):
+                self._payoff(False)  # forgotten without coming back: refusing it was right
+            return False
+        if not self.recency_mode and self._filled:
+            return self._outranks_displaced(estimate, num_blocks)
+        return True
+
+    def _outranks_displaced(self, estimate: int, size: int) -> bool:
+        """Whether an item of `size` blocks and request count `estimate` beats
+        the main entries its allocation would evict (after the free blocks and
+        the duel losers, which go first): the duel, held before anything is
+        evicted."""
+        needed = size - (self.capacity - self._used) - self._bytes[_OUTGOING]
+        if needed <= 0:
             return True
-        if self._let_first_sighting_in(key):
+        weighted = covered = seen = 0
+        blocks_of = self._blocks
+        for count, bucket in enumerate(self._buckets):
+            for victim in bucket:
+                blocks = blocks_of[victim]
+                weighted += count * blocks
+                covered += blocks
+                seen += 1
+                if covered >= needed or seen >= self.max_duel_victims:
+                    break
+            if covered >= needed or seen >= self.max_duel_victims:
+                break
+        if covered == 0:
             return True
-        for _ in range(self._refused.add(key, num_blocks)):
-            self._payoff(False)  # forgotten without coming back: refusing it was right
-        return False
+        return (estimate - self.duel_margin) * covered > weighted
 
     def on_insert(self, key: str, num_blocks: int) -> None:
         if key == self._unsized:  # saved without asking `admit` (a forced save)
