@@ -28,11 +28,16 @@ KEY_REPORT_TIMEOUT_STEPS = "ec_report_timeout_steps"
 KEY_REPORT_TIMEOUT_S = "ec_report_timeout_s"
 KEY_POLICY = "ec_eviction_policy"
 KEY_ISOLATE_CACHE_SALT = "ec_isolate_cache_salt"
+KEY_ACCESS_LOG = "ec_access_log"
+KEY_ACCESS_LOG_MAX_BYTES = "ec_access_log_max_bytes"
 
 DEFAULT_REGION_DIR = Path("/dev/shm")
 DEFAULT_OPEN_TIMEOUT_S = 120.0
 DEFAULT_REPORT_TIMEOUT_STEPS = 64
 DEFAULT_REPORT_TIMEOUT_S = 30.0
+DEFAULT_ACCESS_LOG_MAX_BYTES = 64 * 2**20
+MIN_ACCESS_LOG_MAX_BYTES = 4096
+"""The smallest log bound accepted: room for the header and some records."""
 
 # Keys other parts of vLLM's EC connector family use; passing them to this
 # connector is harmless, so they are not reported as unknown.
@@ -47,6 +52,8 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         KEY_REPORT_TIMEOUT_S,
         KEY_POLICY,
         KEY_ISOLATE_CACHE_SALT,
+        KEY_ACCESS_LOG,
+        KEY_ACCESS_LOG_MAX_BYTES,
         *peer_settings.KEYS,
     }
 )
@@ -64,8 +71,10 @@ class ECCPUSettings:
     block; `region_dir` is an absolute path to an existing, writable
     directory; `open_timeout_s` is finite and positive; the report timeouts
     are finite, non-negative and not both zero; `policy` names a known policy;
-    `isolate_cache_salt` is a bool; `peers` is None unless a cross-engine key is
-    set (`ec_core.peer_settings`).
+    `isolate_cache_salt` is a bool; `access_log` is None or an absolute path whose
+    directory exists and is writable; `access_log_max_bytes` is at least
+    `MIN_ACCESS_LOG_MAX_BYTES`; `peers` is None unless a cross-engine key is set
+    (`ec_core.peer_settings`).
 
     A save or load whose report has not arrived is overdue once it is older
     than `report_timeout_steps` engine steps that reached the workers AND
@@ -107,6 +116,20 @@ class ECCPUSettings:
     with the same salt, here and through peers (`docs/tenant-isolation.md`);
     requests without a salt share among themselves. `false` where all tenants are
     one party: entries are then shared whatever the salt."""
+    access_log: Path | None = field(
+        default=None, metadata={"key": KEY_ACCESS_LOG, "default": "unset (off)"}
+    )
+    """Opt-in access log for sizing the region (`docs/sizing.md`): a file path, off
+    by default. A consumer's scheduler writes one line per item vLLM schedules (time,
+    a digest of the item's key, rows, bytes), never an identifier or a salt; the file
+    is created owner-only (0600), replacing one already there, and an engine of
+    data-parallel index N > 0 writes `<path>.dpN`. `ec-cpu-sizing --log` replays it."""
+    access_log_max_bytes: int = field(
+        default=DEFAULT_ACCESS_LOG_MAX_BYTES,
+        metadata={"key": KEY_ACCESS_LOG_MAX_BYTES, "default": "`64MiB`"},
+    )
+    """The access log's size bound (same forms as `ec_cpu_bytes`, at least 4096): the
+    file never grows past it; once full the log stops, with one warning."""
     peers: PeerSettings | None = None
 
     @classmethod
@@ -173,6 +196,18 @@ class ECCPUSettings:
         isolate = extra.get(KEY_ISOLATE_CACHE_SALT, True)
         if not isinstance(isolate, bool):
             raise _invalid(KEY_ISOLATE_CACHE_SALT, isolate, "expected true or false")
+        access_log = _parse_log_path(extra.get(KEY_ACCESS_LOG))
+        raw_log_max = extra.get(KEY_ACCESS_LOG_MAX_BYTES, DEFAULT_ACCESS_LOG_MAX_BYTES)
+        try:
+            log_max = parse_byte_size(raw_log_max)
+        except SizeError as exc:
+            raise _invalid(KEY_ACCESS_LOG_MAX_BYTES, raw_log_max, str(exc)) from None
+        if log_max < MIN_ACCESS_LOG_MAX_BYTES:
+            raise _invalid(
+                KEY_ACCESS_LOG_MAX_BYTES,
+                raw_log_max,
+                f"expected at least {MIN_ACCESS_LOG_MAX_BYTES} bytes",
+            )
         peers = parse_peer_settings(extra, role, dp_index=dp_index)
         return cls(
             cpu_bytes=cpu_bytes,
@@ -182,6 +217,8 @@ class ECCPUSettings:
             report_timeout_s=timeout_s,
             policy=policy,
             isolate_cache_salt=isolate,
+            access_log=access_log,
+            access_log_max_bytes=log_max,
             peers=peers,
         )
 
@@ -221,6 +258,35 @@ def _parse_dir(raw: object) -> Path:
         raise _invalid(
             KEY_REGION_DIR, raw, f"{_shown(path)} is not readable and writable by this user"
         )
+    return path
+
+
+def _parse_log_path(raw: object) -> Path | None:
+    """The access log's path (None: off). Its directory must exist and be writable
+    now, so that a typo stops the engine at start-up rather than losing the log."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (str, os.PathLike)):
+        raise _invalid(KEY_ACCESS_LOG, raw, "expected a file path")
+    text = os.fspath(raw)
+    if not isinstance(text, str) or not text.strip():
+        raise _invalid(KEY_ACCESS_LOG, raw, "expected a non-empty file path")
+    try:
+        path = Path(text).expanduser().absolute()
+    except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
+        raise _invalid(KEY_ACCESS_LOG, raw, f"cannot expand '~': {exc}") from None
+    try:
+        is_dir, parent_is_dir = path.is_dir(), path.parent.is_dir()
+    except OSError as exc:
+        raise _invalid(
+            KEY_ACCESS_LOG, raw, f"cannot look at {_shown(path)}: {exc.strerror}"
+        ) from None
+    if is_dir:
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path)} is a directory, not a file path")
+    if not parent_is_dir:
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not an existing directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not writable by this user")
     return path
 
 
