@@ -106,13 +106,14 @@ class AccessLog:
         block_bytes: int,
         buffer_records: int = BUFFER_RECORDS,
         interval_s: float = WRITE_INTERVAL_S,
-        open_file: Callable[[Path], BinaryIO] = create_owner_only,
+        open_file: Callable[[Path], BinaryIO] | None = None,
         clock: Callable[[], float] = time.monotonic,
         digest_key: bytes | None = None,
     ) -> None:
         """Create the file, write its header and start the writer.
 
-        `digest_key` keys the digests; None (what the scheduler passes) draws 16
+        `open_file` creates the file (default `create_owner_only`). `digest_key` keys
+        the digests; None (what the scheduler passes) draws 16
         random bytes. A fixed one makes the file reproducible (a benchmark's
         trace written as a log for the docs), and must not be used for a real log.
 
@@ -141,7 +142,7 @@ class AccessLog:
         ).encode()
         if len(header) > max_bytes:
             raise ValueError(f"an access log bound of {max_bytes} bytes holds not even its header")
-        self._file = open_file(path)
+        self._file = (open_file or create_owner_only)(path)
         try:
             self._file.write(header)
             self._file.flush()
