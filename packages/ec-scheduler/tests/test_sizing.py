@@ -154,7 +154,11 @@ def test_the_table_shows_what_the_references_compute() -> None:
         assert row.results["ours"] == run_ours(trace, capacity, "s3lfu")
     lines = table(rows, trace, BLOCK, "s3lfu")
     assert "policy s3lfu" in lines[1]
-    body = lines[-len(rows) :]
+    body = lines[-len(rows) - 2 : -2]
+    lru_line = lines[-2]
+    assert lru_line.startswith("byte hit ratio of ours / plain LRU")
+    want = [row.results["ours"].hit_ratio / row.results["plain LRU"].hit_ratio for row in rows]
+    assert lru_line.split(": ")[1] == ", ".join(f"{ratio:.2f}x" for ratio in want)
     for line, row in zip(body, rows, strict=True):
         cells = line.split("|")
         ratios = [float(cell) for cell in cells[1].split()]

@@ -203,7 +203,17 @@ def table(
             f"{format_bytes(row.capacity * block_bytes):>11} "
             f"{_share(row.capacity, working_set):>6} | {ratios} | {saved}"
         )
+    for reference in ("plain LRU", "oracle"):
+        shares = ", ".join(
+            f"{_ratio(row.results['ours'].hit_ratio, row.results[reference].hit_ratio)}"
+            for row in rows
+        )
+        lines.append(f"byte hit ratio of ours / {reference}, size by size: {shares}")
     return lines
+
+
+def _ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}x" if reference else "-"
 
 
 _SHORT = {"ours": "ours", "plain LRU": "LRU", "oracle": "oracle", "Belady": "Belady"}
