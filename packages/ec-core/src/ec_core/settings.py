@@ -159,18 +159,12 @@ class ECCPUSettings:
                 f"ec_connector_extra_config[{KEY_CPU_BYTES!r}] is required: the size of "
                 "the host region, e.g. {'ec_cpu_bytes': '8GiB'}"
             )
-        raw_bytes = extra[KEY_CPU_BYTES]
-        try:
-            cpu_bytes = parse_byte_size(raw_bytes)
-        except SizeError as exc:
-            raise _invalid(KEY_CPU_BYTES, raw_bytes, str(exc)) from None
-        if cpu_bytes < block_size_bytes:
-            raise _invalid(
-                KEY_CPU_BYTES,
-                raw_bytes,
-                f"{cpu_bytes} bytes is smaller than one block ({block_size_bytes} bytes, "
-                "one embedding row of the model)",
-            )
+        cpu_bytes = _parse_size(
+            KEY_CPU_BYTES,
+            extra[KEY_CPU_BYTES],
+            at_least=block_size_bytes,
+            minimum=f"one block ({block_size_bytes} bytes, one embedding row of the model)",
+        )
 
         region_dir = _parse_dir(extra.get(KEY_REGION_DIR, DEFAULT_REGION_DIR))
         open_timeout = _parse_seconds(
@@ -197,17 +191,12 @@ class ECCPUSettings:
         if not isinstance(isolate, bool):
             raise _invalid(KEY_ISOLATE_CACHE_SALT, isolate, "expected true or false")
         access_log = _parse_log_path(extra.get(KEY_ACCESS_LOG))
-        raw_log_max = extra.get(KEY_ACCESS_LOG_MAX_BYTES, DEFAULT_ACCESS_LOG_MAX_BYTES)
-        try:
-            log_max = parse_byte_size(raw_log_max)
-        except SizeError as exc:
-            raise _invalid(KEY_ACCESS_LOG_MAX_BYTES, raw_log_max, str(exc)) from None
-        if log_max < MIN_ACCESS_LOG_MAX_BYTES:
-            raise _invalid(
-                KEY_ACCESS_LOG_MAX_BYTES,
-                raw_log_max,
-                f"expected at least {MIN_ACCESS_LOG_MAX_BYTES} bytes",
-            )
+        log_max = _parse_size(
+            KEY_ACCESS_LOG_MAX_BYTES,
+            extra.get(KEY_ACCESS_LOG_MAX_BYTES, DEFAULT_ACCESS_LOG_MAX_BYTES),
+            at_least=MIN_ACCESS_LOG_MAX_BYTES,
+            minimum=f"the least accepted ({MIN_ACCESS_LOG_MAX_BYTES} bytes)",
+        )
         peers = parse_peer_settings(extra, role, dp_index=dp_index)
         return cls(
             cpu_bytes=cpu_bytes,
@@ -235,23 +224,43 @@ def _warn_unknown_keys(extra: Mapping[str, object]) -> None:
         )
 
 
-def _parse_dir(raw: object) -> Path:
+def _parse_size(key: str, raw: object, *, at_least: int, minimum: str) -> int:
+    """`raw` as a number of bytes (`ec_core.sizes`) of at least `at_least`, or
+    ValueError naming `key`; `minimum` says what that least is."""
+    try:
+        size = parse_byte_size(raw)
+    except SizeError as exc:
+        raise _invalid(key, raw, str(exc)) from None
+    if size < at_least:
+        raise _invalid(key, raw, f"{size} bytes is smaller than {minimum}")
+    return size
+
+
+def _parse_path(key: str, raw: object, what: str) -> Path:
+    """`raw` as an absolute path (`~` expanded), or ValueError naming `key`; `what`
+    says what the path names ("directory", "file")."""
     if isinstance(raw, bool) or not isinstance(raw, (str, os.PathLike)):
-        raise _invalid(KEY_REGION_DIR, raw, "expected a directory path")
+        raise _invalid(key, raw, f"expected a {what} path")
     text = os.fspath(raw)
     if not isinstance(text, str) or not text.strip():
-        raise _invalid(KEY_REGION_DIR, raw, "expected a non-empty directory path")
+        raise _invalid(key, raw, f"expected a non-empty {what} path")
     try:
-        path = Path(text).expanduser().absolute()
+        return Path(text).expanduser().absolute()
     except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
-        raise _invalid(KEY_REGION_DIR, raw, f"cannot expand '~': {exc}") from None
+        raise _invalid(key, raw, f"cannot expand '~': {exc}") from None
+
+
+def _is_dir(key: str, raw: object, path: Path) -> bool:
+    """`path.is_dir()`, or ValueError naming `key` when the path cannot be looked at."""
     try:
-        is_dir = path.is_dir()
+        return path.is_dir()
     except OSError as exc:  # a parent this user cannot search (EACCES), a name too long
-        raise _invalid(
-            KEY_REGION_DIR, raw, f"cannot look at {_shown(path)}: {exc.strerror}"
-        ) from None
-    if not is_dir:
+        raise _invalid(key, raw, f"cannot look at {_shown(path)}: {exc.strerror}") from None
+
+
+def _parse_dir(raw: object) -> Path:
+    path = _parse_path(KEY_REGION_DIR, raw, "directory")
+    if not _is_dir(KEY_REGION_DIR, raw, path):
         raise _invalid(KEY_REGION_DIR, raw, f"{_shown(path)} is not an existing directory")
     # Read too: workers open the directory to lock it and list it for stale files.
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
@@ -266,24 +275,10 @@ def _parse_log_path(raw: object) -> Path | None:
     now, so that a typo stops the engine at start-up rather than losing the log."""
     if raw is None:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (str, os.PathLike)):
-        raise _invalid(KEY_ACCESS_LOG, raw, "expected a file path")
-    text = os.fspath(raw)
-    if not isinstance(text, str) or not text.strip():
-        raise _invalid(KEY_ACCESS_LOG, raw, "expected a non-empty file path")
-    try:
-        path = Path(text).expanduser().absolute()
-    except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
-        raise _invalid(KEY_ACCESS_LOG, raw, f"cannot expand '~': {exc}") from None
-    try:
-        is_dir, parent_is_dir = path.is_dir(), path.parent.is_dir()
-    except OSError as exc:
-        raise _invalid(
-            KEY_ACCESS_LOG, raw, f"cannot look at {_shown(path)}: {exc.strerror}"
-        ) from None
-    if is_dir:
+    path = _parse_path(KEY_ACCESS_LOG, raw, "file")
+    if _is_dir(KEY_ACCESS_LOG, raw, path):
         raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path)} is a directory, not a file path")
-    if not parent_is_dir:
+    if not _is_dir(KEY_ACCESS_LOG, raw, path.parent):
         raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not an existing directory")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not writable by this user")

@@ -69,6 +69,11 @@ class SizedTrace:
         """Blocks of all distinct items together."""
         return sum(self.sizes.values())
 
+    @property
+    def distinct(self) -> int:
+        """Distinct items."""
+        return len(self.sizes)
+
 
 @dataclass(frozen=True)
 class SizingRow:
@@ -243,6 +248,20 @@ def nice_ceiling(value: float) -> float:
     return 10.0 * scale  # pragma: no cover - 10 x scale is always >= value
 
 
+def y_grid_svg(left: float, right: float, top: float, height: float, y_max: float) -> list[str]:
+    """The SVG of a y axis's five grid lines from 0 to `y_max` (at quarters), each
+    labelled left of `left`; the plot spans `left`..`right`, `top`..`top + height`."""
+    parts = []
+    for tick in range(5):
+        value = y_max * tick / 4
+        y = top + height - height * tick / 4
+        parts.append(
+            f'<line x1="{left}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>'
+        )
+    return parts
+
+
 @dataclass(frozen=True)
 class Panel:
     """One chart of `line_chart_svg`: one y per x for each series, drawn from 0 to
@@ -293,13 +312,7 @@ def line_chart_svg(
             f'<text x="{x0 + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle">'
             f"{escape(x_title)}</text>"
         )
-        for tick in range(5):
-            value = y_max * tick / 4
-            y = top + plot_h - plot_h * tick / 4
-            parts.append(
-                f'<line x1="{x0}" x2="{x0 + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
-                f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>'
-            )
+        parts.extend(y_grid_svg(x0, x0 + plot_w, top, plot_h, y_max))
         for x, label in zip(x_values, x_labels, strict=True):
             px, py = x0 + plot_w * x / x_max, top + plot_h + 12
             parts.append(
