@@ -34,13 +34,15 @@ Guarantees:
     it stops the log for good, with one warning (no rotation);
   * a write error (a full disk) stops the log with one warning and never reaches
     the scheduler: the engine serves on without it;
-  * `close` writes what is queued, flushes and closes the file (idempotent);
+  * `close` writes what is queued, flushes and closes the file (idempotent); it
+    runs at the interpreter's exit too, should nobody call it;
   * the file is created owner-only (0600): an existing file at the path is
     replaced, never followed through a symbolic link.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import datetime
@@ -156,6 +158,10 @@ class AccessLog:
         self._interval_s = interval_s
         self._thread = threading.Thread(target=self._run, name="ec-access-log", daemon=True)
         self._thread.start()
+        # An engine whose scheduler is never shut down (a process ending without its
+        # engine's shutdown) still writes out what is queued: daemon threads are
+        # stopped without notice once the interpreter exits.
+        atexit.register(self.close)
 
     def record(self, key: str, rows: int, nbytes: int) -> None:
         """Queue one access (O(1)); dropped and counted when the queue is full.
@@ -244,6 +250,7 @@ class AccessLog:
         if self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self.close)
         self._thread.join(timeout=10.0)
         self.on = False
         try:
