@@ -16,7 +16,8 @@ import pytest
 
 from ec_core.settings import DEFAULT_ACCESS_LOG_MAX_BYTES, ECCPUSettings
 from ec_scheduler import ECCPUScheduler, access_log
-from ec_scheduler.access_log import MAGIC, AccessLog, log_path
+from ec_scheduler.access_log import AccessLog, log_path
+from ec_scheduler.access_log_format import MAGIC
 from ec_scheduler.sizing import read_log
 from ec_scheduler.tenancy import SALT_MARK
 from ectools.driving import Item, SimulatedRanks, StepDriver, connector_output, make_request
@@ -278,3 +279,22 @@ def test_the_settings_default_off_and_refuse_bad_values(tmp_path: Path) -> None:
                 {**base, "ec_access_log_max_bytes": bad_size}, block_size_bytes=512
             )
     assert not list(tmp_path.iterdir()), "nothing created while checking"
+
+
+class _Broken(io.BytesIO):
+    """A file whose writes after the header fail with an error no writer expects."""
+
+    def writelines(self, lines: object) -> None:
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_in_the_writer_costs_the_log_not_the_engine(
+    tmp_path: Path, ec_log: pytest.LogCaptureFixture
+) -> None:
+    log = _quiet_log(tmp_path / "x", interval_s=0.001, open_file=lambda _: _Broken())
+    log.record("key", 1, 512)
+    _wait_until(lambda: not log.on)
+    assert "the access log's writer failed" in ec_log.text
+    log.record("later", 1, 512)
+    assert not log._queue
+    log.close()

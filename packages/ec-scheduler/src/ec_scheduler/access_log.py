@@ -4,25 +4,7 @@ Runs in the scheduler process. `ec_access_log` (a path) turns it on; the
 sizing tool (`ec_scheduler.sizing`, the `ec-cpu-sizing` command) replays the
 file through the real allocator and policy at other region sizes.
 
-Format (version 1), text, one record a line:
-
-    # ec-access-log 1 block_bytes=<B> digest=blake2b-64-keyed started=<UTC time>
-    # time_s digest rows bytes
-    0.001234 3f9a0c1d22e4b7a8 576 1179648
-    ...
-
-* `time_s`: seconds since the log was opened (monotonic clock), 6 decimals;
-* `digest`: 16 hex characters, BLAKE2b-64 of the item's tier key (with tenant
-  isolation, the key carries its salt's digest: `ec_scheduler.tenancy`), keyed
-  with 16 random bytes drawn when the log is opened and never written. The same
-  key always has the same digest within one file; the key, the vLLM identifier
-  and the salt cannot be recovered from it, nor can a known image be matched
-  against it (no dictionary attack without the per-log key);
-* `rows`: the item's embedding rows (its placeholder's embedding count);
-* `bytes`: rows x the modality's encoder-output width x the model dtype's size
-  (the width measured at start-up; the model's embedding width for a modality
-  without one): the bytes its entry holds in the region before rounding up to
-  whole blocks of `block_bytes` (one embedding row of the model).
+The format (what each field means) is `ec_scheduler.access_log_format`.
 
 Guarantees:
   * off the hot path: `record` (the scheduler thread, under its lock) appends one
@@ -57,13 +39,10 @@ from typing import BinaryIO
 
 from ec_core._vllm import get_logger
 from ec_core.ratelimit import RateLimitedWarnings
+from ec_scheduler.access_log_format import DIGEST_BYTES, header_lines, record_line
 
 logger = get_logger(__name__)
 
-FORMAT_VERSION = 1
-MAGIC = "# ec-access-log"
-"""How the first line of a log starts (then the version and the header's fields)."""
-DIGEST_BYTES = 8
 BUFFER_RECORDS = 65536
 """Records waiting for the writer at most (a few MiB)."""
 WRITE_INTERVAL_S = 0.25
@@ -136,12 +115,7 @@ class AccessLog:
         self._clock = clock
         self._start = clock()
         self._key = digest_key if digest_key is not None else secrets.token_bytes(16)
-        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        header = (
-            f"{MAGIC} {FORMAT_VERSION} block_bytes={block_bytes} "
-            f"digest=blake2b-{DIGEST_BYTES * 8}-keyed started={started}\n"
-            "# time_s digest rows bytes\n"
-        ).encode()
+        header = header_lines(block_bytes, datetime.datetime.now(datetime.UTC)).encode()
         if len(header) > max_bytes:
             raise ValueError(f"an access log bound of {max_bytes} bytes holds not even its header")
         self._file = (open_file or create_owner_only)(path)
@@ -187,9 +161,15 @@ class AccessLog:
 
     def _run(self) -> None:
         stop = self._stop
-        while not stop.wait(self._interval_s):
+        try:
+            while not stop.wait(self._interval_s):
+                self._drain()
             self._drain()
-        self._drain()
+        except Exception as exc:  # a bug here must cost the log, never the engine
+            self._stop_logging(
+                "EC CPU tier: the access log's writer failed (%r); the log is off from now on",
+                exc,
+            )
 
     def _drain(self) -> None:
         """Write what is queued (the writer thread; `close` after joining it)."""
@@ -212,7 +192,7 @@ class AccessLog:
         full = False
         while queue:
             when, key, rows, nbytes = queue.popleft()
-            line = f"{when - start:.6f} {self.digest(key)} {rows} {nbytes}\n".encode()
+            line = record_line(when - start, self.digest(key), rows, nbytes).encode()
             if size + len(line) > self.max_bytes:
                 full = True
                 break
@@ -275,8 +255,6 @@ def open_access_log(
 
 
 __all__ = [
-    "FORMAT_VERSION",
-    "MAGIC",
     "AccessLog",
     "create_owner_only",
     "log_path",

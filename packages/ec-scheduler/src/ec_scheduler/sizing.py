@@ -21,13 +21,13 @@ import argparse
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 from ec_core.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from ec_core.sizes import SizeError, format_bytes, parse_byte_size
-from ec_scheduler.access_log import FORMAT_VERSION, MAGIC
+from ec_scheduler.access_log_format import AccessRecords, read_log
 from ec_scheduler.sizing_references import (
     BlockTrace,
     Result,
@@ -42,18 +42,6 @@ DEFAULT_FRACTIONS: tuple[float, ...] = (0.02, 0.05, 0.10, 0.20, 0.30, 0.50)
 
 CACHES: tuple[str, ...] = ("ours", "plain LRU", "oracle", "Belady")
 """The columns of the table, in order; the plot draws the first three and Belady dashed."""
-
-
-@dataclass(frozen=True)
-class AccessRecords:
-    """An access log as read: one entry per record, in the file's order."""
-
-    block_bytes: int
-    """What one block of the engine's region held (the header's `block_bytes`)."""
-    times: list[float] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
-    nbytes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -82,41 +70,6 @@ class SizingRow:
     capacity: int
     """Blocks of the region."""
     results: dict[str, Result]
-
-
-def read_log(path: Path) -> AccessRecords:
-    """Read an access log; ValueError naming the line when it is not one (or a newer
-    version than this reader knows)."""
-    with path.open("r", encoding="ascii", errors="replace") as file:
-        header = file.readline()
-        fields = header.split()
-        if not header.startswith(MAGIC + " ") or len(fields) < 3:
-            raise ValueError(f"{path}: line 1 is not an ec-access-log header")
-        if fields[2] != str(FORMAT_VERSION):
-            raise ValueError(
-                f"{path}: access log version {fields[2]}; this reader knows {FORMAT_VERSION}"
-            )
-        options = dict(item.split("=", 1) for item in fields[3:] if "=" in item)
-        try:
-            block_bytes = int(options["block_bytes"])
-        except (KeyError, ValueError):
-            raise ValueError(f"{path}: the header names no block_bytes") from None
-        records = AccessRecords(block_bytes)
-        for number, line in enumerate(file, start=2):
-            if line.startswith("#") or not line.strip():
-                continue
-            parts = line.split()
-            try:
-                when, digest, rows, nbytes = float(parts[0]), parts[1], int(parts[2]), int(parts[3])
-            except (IndexError, ValueError):
-                if not line.endswith("\n"):
-                    break  # a record cut short (the engine stopped mid-write): the end
-                raise ValueError(f"{path}: line {number} is not a record: {line!r}") from None
-            records.times.append(when)
-            records.digests.append(digest)
-            records.rows.append(rows)
-            records.nbytes.append(nbytes)
-    return records
 
 
 def trace_of_log(
