@@ -27,138 +27,43 @@ Byte hit ratio = embedding rows served from the region / rows requested.
 "written/hit" = rows written to the region per row served; "runs" = copy
 descriptors per saved entry (runs of consecutive blocks) in ours. "ours/LRU" is the
 ratio the policy's never-below-LRU goal is judged by (>= 0.99).
+
+The replays of ours and the references are `ec_scheduler.sizing_references`, the
+code the operators' sizing tool (`ec-cpu-sizing`) runs too.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from ec_core.policy_names import DEFAULT_POLICY
+from ec_scheduler.sizing_references import (
+    Result,
+    run_belady,
+    run_cache,
+    run_oracle,
+    run_ours,
+    run_plain_lru,
+)
 
-from caches import InTreeCache, OursCache, count_runs
+from caches import InTreeCache
 from workloads import CAPACITIES, Trace, all_traces
 
-
-@dataclass
-class Result:
-    hit_ratio: float
-    written_per_hit: float
-    runs_per_entry: float = 1.0
-
-
-def _result(hit: int, requested: int, written: int, runs: list[int] | None = None) -> Result:
-    return Result(
-        hit / requested,
-        written / hit if hit else math.inf,
-        sum(runs) / len(runs) if runs else 1.0,
-    )
-
-
-def run_cache(trace: Trace, cache: OursCache | InTreeCache) -> Result:
-    """Replay `trace` against a block cache: hits pin/unpin, misses are saved."""
-    hit = requested = written = 0
-    runs: list[int] = []
-    for key in trace.keys:
-        rows = trace.sizes[key]
-        requested += rows
-        found = cache.request(key)
-        if found:
-            hit += rows
-        elif found is False:
-            saved = cache.save(key, rows)
-            if saved is not None:
-                runs.append(count_runs(saved))
-                written += rows
-    return _result(hit, requested, written, runs)
-
-
-def run_ours(trace: Trace, capacity: int, policy: str = DEFAULT_POLICY) -> Result:
-    return run_cache(trace, OursCache(capacity, policy))
+__all__ = [
+    "Result",
+    "Row",
+    "run_belady",
+    "run_in_tree",
+    "run_oracle",
+    "run_ours",
+    "run_plain_lru",
+    "table",
+]
 
 
 def run_in_tree(trace: Trace, capacity: int) -> Result:
     return run_cache(trace, InTreeCache(capacity))
-
-
-def run_plain_lru(trace: Trace, capacity: int) -> Result:
-    cached: OrderedDict[str, int] = OrderedDict()
-    used = hit = requested = written = 0
-    for key in trace.keys:
-        rows = trace.sizes[key]
-        requested += rows
-        if key in cached:
-            hit += rows
-            cached.move_to_end(key)
-            continue
-        if rows > capacity:
-            continue
-        while used + rows > capacity:
-            _, freed = cached.popitem(last=False)
-            used -= freed
-        cached[key] = rows
-        used += rows
-        written += rows
-    return _result(hit, requested, written)
-
-
-def run_belady(trace: Trace, capacity: int) -> Result:
-    keys = trace.keys
-    next_use = [math.inf] * len(keys)
-    seen: dict[str, int] = {}
-    for index in range(len(keys) - 1, -1, -1):
-        next_use[index] = seen.get(keys[index], math.inf)
-        seen[keys[index]] = index
-    cached: dict[str, float] = {}
-    furthest: list[tuple[float, str]] = []  # max-heap by next use (negated)
-    used = hit = requested = written = 0
-    for index, key in enumerate(keys):
-        rows = trace.sizes[key]
-        requested += rows
-        upcoming = next_use[index]
-        if key in cached:
-            hit += rows
-            cached[key] = upcoming
-            heapq.heappush(furthest, (-upcoming, key))
-            continue
-        if upcoming == math.inf or rows > capacity:
-            continue  # never admit an item with no future use
-        cached[key] = upcoming
-        heapq.heappush(furthest, (-upcoming, key))
-        used += rows
-        while used > capacity:  # evict furthest-reused first (possibly the newcomer)
-            negated, victim = heapq.heappop(furthest)
-            if cached.get(victim) != -negated:
-                continue  # stale heap record
-            del cached[victim]
-            used -= trace.sizes[victim]
-        if key in cached:
-            written += rows
-    return _result(hit, requested, written)
-
-
-def run_oracle(trace: Trace, capacity: int) -> Result:
-    counts = Counter(trace.keys)
-    held: set[str] = set()
-    used = 0
-    for key, _ in counts.most_common():
-        rows = trace.sizes[key]
-        if used + rows <= capacity:
-            held.add(key)
-            used += rows
-    hit = requested = written = 0
-    seen: set[str] = set()
-    for key in trace.keys:
-        rows = trace.sizes[key]
-        requested += rows
-        if key in seen:
-            hit += rows if key in held else 0
-            continue
-        seen.add(key)
-        written += rows if key in held else 0
-    return _result(hit, requested, written)
 
 
 def _ratio(value: float, reference: float) -> float:

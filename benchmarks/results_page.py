@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from ec_scheduler.sizing import y_grid_svg
+
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results.md"
 """Where `hatch run bench-all` writes the page (the docs site reads it from there)."""
 
@@ -50,13 +52,7 @@ def bar_chart_svg(
         f'height="{top + height + bottom}" font-family="sans-serif" font-size="11">',
         f'<text x="{left}" y="16" font-size="13">{escape(title)}</text>',
     ]
-    for tick in range(5):
-        value = y_max * tick / 4
-        y = top + height - height * tick / 4
-        parts.append(
-            f'<line x1="{left}" x2="{width - 20}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
-            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>'
-        )
+    parts.extend(y_grid_svg(left, width - 20, top, height, y_max))
     for index, category in enumerate(categories):
         x0 = left + index * group + gap / 2
         for number, values in enumerate(series.values()):

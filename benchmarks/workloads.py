@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+from ec_scheduler.sizing import SizedTrace
 
 MIN_ROWS = 256
 MAX_ROWS = 16384
@@ -52,19 +53,9 @@ SHORT = 4_000
 ITEMS = 1_200
 
 
-@dataclass(frozen=True)
-class Trace:
-    name: str
-    keys: list[str]
-    sizes: dict[str, int]
-
-    @property
-    def working_set(self) -> int:
-        return sum(self.sizes.values())
-
-    @property
-    def distinct(self) -> int:
-        return len(self.sizes)
+Trace = SizedTrace
+"""A trace: its name, keys in request order, each key's size in rows (= blocks); the
+sizing tool's trace type, so that it replays these as they are."""
 
 
 def _sizes(keys: list[str], seed: int) -> dict[str, int]:

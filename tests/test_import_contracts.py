@@ -212,6 +212,10 @@ CONTRACTS = (
         loads(lambda g: ["ec_core.settings"], lambda t: matches(t, ["ec_core.scheduler_process"])),
     ),
     Contract(
+        "the sizing tool (ec-cpu-sizing) loads neither vLLM nor torch: it runs anywhere",
+        loads(lambda g: ["ec_scheduler.sizing"], lambda t: matches(t, ["vllm", "torch"])),
+    ),
+    Contract(
         "ec_core.layout loads nothing of ec_core.region.mapping",
         loads(lambda g: ["ec_core.layout"], lambda t: matches(t, ["ec_core.region.mapping"])),
     ),

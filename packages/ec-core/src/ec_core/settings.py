@@ -28,11 +28,16 @@ KEY_REPORT_TIMEOUT_STEPS = "ec_report_timeout_steps"
 KEY_REPORT_TIMEOUT_S = "ec_report_timeout_s"
 KEY_POLICY = "ec_eviction_policy"
 KEY_ISOLATE_CACHE_SALT = "ec_isolate_cache_salt"
+KEY_ACCESS_LOG = "ec_access_log"
+KEY_ACCESS_LOG_MAX_BYTES = "ec_access_log_max_bytes"
 
 DEFAULT_REGION_DIR = Path("/dev/shm")
 DEFAULT_OPEN_TIMEOUT_S = 120.0
 DEFAULT_REPORT_TIMEOUT_STEPS = 64
 DEFAULT_REPORT_TIMEOUT_S = 30.0
+DEFAULT_ACCESS_LOG_MAX_BYTES = 64 * 2**20
+MIN_ACCESS_LOG_MAX_BYTES = 4096
+"""The smallest log bound accepted: room for the header and some records."""
 
 # Keys other parts of vLLM's EC connector family use; passing them to this
 # connector is harmless, so they are not reported as unknown.
@@ -47,6 +52,8 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         KEY_REPORT_TIMEOUT_S,
         KEY_POLICY,
         KEY_ISOLATE_CACHE_SALT,
+        KEY_ACCESS_LOG,
+        KEY_ACCESS_LOG_MAX_BYTES,
         *peer_settings.KEYS,
     }
 )
@@ -64,8 +71,10 @@ class ECCPUSettings:
     block; `region_dir` is an absolute path to an existing, writable
     directory; `open_timeout_s` is finite and positive; the report timeouts
     are finite, non-negative and not both zero; `policy` names a known policy;
-    `isolate_cache_salt` is a bool; `peers` is None unless a cross-engine key is
-    set (`ec_core.peer_settings`).
+    `isolate_cache_salt` is a bool; `access_log` is None or an absolute path whose
+    directory exists and is writable; `access_log_max_bytes` is at least
+    `MIN_ACCESS_LOG_MAX_BYTES`; `peers` is None unless a cross-engine key is set
+    (`ec_core.peer_settings`).
 
     A save or load whose report has not arrived is overdue once it is older
     than `report_timeout_steps` engine steps that reached the workers AND
@@ -107,6 +116,20 @@ class ECCPUSettings:
     with the same salt, here and through peers (`docs/tenant-isolation.md`);
     requests without a salt share among themselves. `false` where all tenants are
     one party: entries are then shared whatever the salt."""
+    access_log: Path | None = field(
+        default=None, metadata={"key": KEY_ACCESS_LOG, "default": "unset (off)"}
+    )
+    """Opt-in access log for sizing the region (`docs/sizing.md`): a file path, off
+    by default. A consumer's scheduler writes one line per item vLLM schedules (time,
+    a digest of the item's key, rows, bytes), never an identifier or a salt; the file
+    is created owner-only (0600), replacing one already there, and an engine of
+    data-parallel index N > 0 writes `<path>.dpN`. `ec-cpu-sizing --log` replays it."""
+    access_log_max_bytes: int = field(
+        default=DEFAULT_ACCESS_LOG_MAX_BYTES,
+        metadata={"key": KEY_ACCESS_LOG_MAX_BYTES, "default": "`64MiB`"},
+    )
+    """The access log's size bound (same forms as `ec_cpu_bytes`, at least 4096): the
+    file never grows past it; once full the log stops, with one warning."""
     peers: PeerSettings | None = None
 
     @classmethod
@@ -136,18 +159,12 @@ class ECCPUSettings:
                 f"ec_connector_extra_config[{KEY_CPU_BYTES!r}] is required: the size of "
                 "the host region, e.g. {'ec_cpu_bytes': '8GiB'}"
             )
-        raw_bytes = extra[KEY_CPU_BYTES]
-        try:
-            cpu_bytes = parse_byte_size(raw_bytes)
-        except SizeError as exc:
-            raise _invalid(KEY_CPU_BYTES, raw_bytes, str(exc)) from None
-        if cpu_bytes < block_size_bytes:
-            raise _invalid(
-                KEY_CPU_BYTES,
-                raw_bytes,
-                f"{cpu_bytes} bytes is smaller than one block ({block_size_bytes} bytes, "
-                "one embedding row of the model)",
-            )
+        cpu_bytes = _parse_size(
+            KEY_CPU_BYTES,
+            extra[KEY_CPU_BYTES],
+            at_least=block_size_bytes,
+            minimum=f"one block ({block_size_bytes} bytes, one embedding row of the model)",
+        )
 
         region_dir = _parse_dir(extra.get(KEY_REGION_DIR, DEFAULT_REGION_DIR))
         open_timeout = _parse_seconds(
@@ -173,6 +190,13 @@ class ECCPUSettings:
         isolate = extra.get(KEY_ISOLATE_CACHE_SALT, True)
         if not isinstance(isolate, bool):
             raise _invalid(KEY_ISOLATE_CACHE_SALT, isolate, "expected true or false")
+        access_log = _parse_log_path(extra.get(KEY_ACCESS_LOG))
+        log_max = _parse_size(
+            KEY_ACCESS_LOG_MAX_BYTES,
+            extra.get(KEY_ACCESS_LOG_MAX_BYTES, DEFAULT_ACCESS_LOG_MAX_BYTES),
+            at_least=MIN_ACCESS_LOG_MAX_BYTES,
+            minimum=f"the least accepted ({MIN_ACCESS_LOG_MAX_BYTES} bytes)",
+        )
         peers = parse_peer_settings(extra, role, dp_index=dp_index)
         return cls(
             cpu_bytes=cpu_bytes,
@@ -182,6 +206,8 @@ class ECCPUSettings:
             report_timeout_s=timeout_s,
             policy=policy,
             isolate_cache_salt=isolate,
+            access_log=access_log,
+            access_log_max_bytes=log_max,
             peers=peers,
         )
 
@@ -198,29 +224,64 @@ def _warn_unknown_keys(extra: Mapping[str, object]) -> None:
         )
 
 
-def _parse_dir(raw: object) -> Path:
+def _parse_size(key: str, raw: object, *, at_least: int, minimum: str) -> int:
+    """`raw` as a number of bytes (`ec_core.sizes`) of at least `at_least`, or
+    ValueError naming `key`; `minimum` says what that least is."""
+    try:
+        size = parse_byte_size(raw)
+    except SizeError as exc:
+        raise _invalid(key, raw, str(exc)) from None
+    if size < at_least:
+        raise _invalid(key, raw, f"{size} bytes is smaller than {minimum}")
+    return size
+
+
+def _parse_path(key: str, raw: object, what: str) -> Path:
+    """`raw` as an absolute path (`~` expanded), or ValueError naming `key`; `what`
+    says what the path names ("directory", "file")."""
     if isinstance(raw, bool) or not isinstance(raw, (str, os.PathLike)):
-        raise _invalid(KEY_REGION_DIR, raw, "expected a directory path")
+        raise _invalid(key, raw, f"expected a {what} path")
     text = os.fspath(raw)
     if not isinstance(text, str) or not text.strip():
-        raise _invalid(KEY_REGION_DIR, raw, "expected a non-empty directory path")
+        raise _invalid(key, raw, f"expected a non-empty {what} path")
     try:
-        path = Path(text).expanduser().absolute()
+        return Path(text).expanduser().absolute()
     except RuntimeError as exc:  # `~user` naming no user, or `~` with no home directory
-        raise _invalid(KEY_REGION_DIR, raw, f"cannot expand '~': {exc}") from None
+        raise _invalid(key, raw, f"cannot expand '~': {exc}") from None
+
+
+def _is_dir(key: str, raw: object, path: Path) -> bool:
+    """`path.is_dir()`, or ValueError naming `key` when the path cannot be looked at."""
     try:
-        is_dir = path.is_dir()
+        return path.is_dir()
     except OSError as exc:  # a parent this user cannot search (EACCES), a name too long
-        raise _invalid(
-            KEY_REGION_DIR, raw, f"cannot look at {_shown(path)}: {exc.strerror}"
-        ) from None
-    if not is_dir:
+        raise _invalid(key, raw, f"cannot look at {_shown(path)}: {exc.strerror}") from None
+
+
+def _parse_dir(raw: object) -> Path:
+    path = _parse_path(KEY_REGION_DIR, raw, "directory")
+    if not _is_dir(KEY_REGION_DIR, raw, path):
         raise _invalid(KEY_REGION_DIR, raw, f"{_shown(path)} is not an existing directory")
     # Read too: workers open the directory to lock it and list it for stale files.
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
         raise _invalid(
             KEY_REGION_DIR, raw, f"{_shown(path)} is not readable and writable by this user"
         )
+    return path
+
+
+def _parse_log_path(raw: object) -> Path | None:
+    """The access log's path (None: off). Its directory must exist and be writable
+    now, so that a typo stops the engine at start-up rather than losing the log."""
+    if raw is None:
+        return None
+    path = _parse_path(KEY_ACCESS_LOG, raw, "file")
+    if _is_dir(KEY_ACCESS_LOG, raw, path):
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path)} is a directory, not a file path")
+    if not _is_dir(KEY_ACCESS_LOG, raw, path.parent):
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not an existing directory")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise _invalid(KEY_ACCESS_LOG, raw, f"{_shown(path.parent)} is not writable by this user")
     return path
 
 

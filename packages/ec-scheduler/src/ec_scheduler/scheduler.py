@@ -36,7 +36,8 @@ from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.policy import make_policy
 from ec_core.stats import WORKER_COUNTERS, ECCPUConnectorStats
-from ec_scheduler.availability import Availability
+from ec_scheduler.access_log import AccessLog, open_access_log
+from ec_scheduler.availability import Availability, num_embeds
 from ec_scheduler.connections import Connections, log_configuration
 from ec_scheduler.counters import SchedulerCounters
 from ec_scheduler.flights import Flights, ReportBound
@@ -192,6 +193,23 @@ class ECCPUScheduler:
         )
         self.remote: RemoteSource | None = self._connections.remote
         log_configuration(vllm_config, self.layout)
+        self.access_log: AccessLog | None = None
+        """The opt-in access log (`ec_access_log`): on a consumer only, where lookups are
+        counted; it never raises into a step (`ec_scheduler.access_log`)."""
+        if settings.access_log is not None:
+            if self.is_consumer:
+                self.access_log = open_access_log(
+                    settings.access_log,
+                    settings.access_log_max_bytes,
+                    block_bytes=self.layout.block_size_bytes,
+                    dp_index=vllm_config.parallel_config.data_parallel_index,
+                )
+            else:
+                logger.warning(
+                    "EC CPU tier: ec_access_log is set, but this engine (role %s) looks "
+                    "nothing up, so there is nothing to log; no log is written",
+                    ec_config.ec_role,
+                )
 
     def _local_entries(self) -> LocalEntries:
         """This engine's entries as the remote source sees them."""
@@ -325,8 +343,9 @@ class ECCPUScheduler:
         entries (counted). Never raises for an item.
 
         On a consumer, this is where an item vLLM's own cache lacked is counted (a
-        lookup, and a hit when it is loaded) and told to the policy: once per item
-        vLLM schedules, however many steps its request waited before.
+        lookup, and a hit when it is loaded), told to the policy and, with
+        `ec_access_log`, queued for the access log: once per item vLLM schedules,
+        however many steps its request waited before.
         """
         with self.lock:
             if self._shut_down:
@@ -347,6 +366,11 @@ class ECCPUScheduler:
                 counters = self.counters
                 counters.lookups += 1
                 self.allocator.policy.on_request(key)  # `note_request`
+                access_log = self.access_log
+                if access_log is not None:
+                    rows = num_embeds(feature.mm_position)
+                    width = self._widths.get(feature.modality, self.layout.embed_width)
+                    access_log.record(key, rows, rows * width * self._itemsize)
                 if key in self._availability.promised:
                     counters.hits += 1
                     self._dispatch_load(key, identifier)
@@ -534,12 +558,16 @@ class ECCPUScheduler:
         self.counters.evicted_blocks += entry.num_blocks
 
     def shutdown(self) -> None:
-        """Forget all state and stop answering hits. Idempotent."""
+        """Forget all state and stop answering hits; the access log is written out and
+        closed. Idempotent."""
         with self.lock:
             if self._shut_down:
                 return
             self._shut_down = True
             remote = self.remote
+            access_log, self.access_log = self.access_log, None
+        if access_log is not None:
+            access_log.close()  # joins its writer: outside the lock
         if remote is not None:
             # Stops its threads before the state goes, outside the lock: they give
             # their leases and reservations back through `LocalEntries`, which takes
