@@ -344,3 +344,24 @@ def test_wtinylfu_duel_margin_keeps_a_resident_asked_for_as_often() -> None:
     assert _save(alloc, "f", 25, seen=3)  # asked for more often: it wins
     assert all(key in alloc for key in "abcd") or "e" not in alloc
     assert "e" not in alloc, "the loser left first"
+
+
+def test_wtinylfu_refuses_a_save_that_would_evict_more_frequent_entries() -> None:
+    """In frequency mode, a full pool: an item asked for less often than the
+    main entries its allocation would evict is not saved, and nothing is
+    evicted for it; one asked for more often is."""
+    policy = WTinyLFUPolicy(100, window_fraction=0.01)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(100, policy)
+    for key in "abcd":
+        assert _save(alloc, key, 25, seen=4)
+    assert policy._filled is False
+    alloc.drop("d")  # the pool has let an entry go: from now on every save duels
+    assert policy._filled
+    assert _save(alloc, "d", 25, seen=4)  # into the free quarter: nothing to evict
+    assert not list(policy.evictable_in(2)), "no duel loser waiting to go"
+    assert not _save(alloc, "rare", 25, seen=2)
+    assert alloc.last_refusal == "admission"
+    assert all(key in alloc for key in "abcd")
+    assert _save(alloc, "hot", 25, seen=9)
+    assert "hot" in alloc and sum(key in alloc for key in "abcd") == 3

@@ -36,7 +36,11 @@ class WTinyLFUPolicy(FirstSightingGate):
       keeps its place, so on a loop larger than the pool the policy keeps a
       stable part of the loop instead of replacing each item just before its
       turn comes. A loser moves to outgoing; one requested again before it
-      leaves goes back to the window.
+      leaves goes back to the window. In frequency mode, once the pool has
+      been full, a missed item holds the same duel in `admit`, against the
+      main entries its allocation would evict after the free blocks and the
+      outgoing ones: a loser is not saved, so it evicts nothing on its way
+      in (the allocator takes its room before the window's duel runs).
     * **Victim order** (`candidates`): outgoing (least recent first), main
       (least frequent first, least recent first among equals), window (least
       recent first).
