@@ -74,8 +74,6 @@ from pathlib import Path
 from typing import Any
 
 import workloads
-from caches import OursCache
-from hit_ratio import run_belady, run_cache, run_oracle, run_plain_lru
 from workloads import LOG_UNIFORM, SIZE_DISTS, SizeDist, Trace
 
 SEEDS = (101, 102, 103)
@@ -321,6 +319,10 @@ def grid() -> list[Task]:
 
 def measure(task: Task) -> list[Measured]:
     """Generate the task's trace and replay it through every policy at each capacity."""
+    # Imported here: `caches` imports vLLM, which the summaries and tables do not need.
+    from caches import OursCache
+    from hit_ratio import run_belady, run_cache, run_oracle, run_plain_lru
+
     trace = FAMILIES[task.family](task.seed, task.length, SIZE_DISTS[task.sizes])
     results = []
     for fraction in task.capacities:

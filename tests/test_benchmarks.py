@@ -96,6 +96,12 @@ def test_sweep_summary_finds_the_worst_point_and_counts_failures() -> None:
     assert any(
         "chat" in line and "seed 102, 10k, 30%" in line and "FAIL (1/3" in line for line in lines
     )
+    assert (
+        "  points below: capacity 2% 0/1 5% 0/1 10% 0/2 30% 1/1; sizes loguniform 1/5; "
+        "length 10k 1/5"
+    ) in lines
+    video = next(line for line in lines if line.startswith("video near the oracle"))
+    assert video.endswith("no points")  # nothing measured is not a pass
     checks = goals.swept(summaries, [never_below_lru, loop_goal])
     assert [check.passed for check in checks] == [False, False]  # loop 101: 0.4 x oracle
     assert "0.800" in checks[0].measured and "1 of 5 points below" in checks[0].measured
@@ -106,7 +112,7 @@ def test_sweep_summary_finds_the_worst_point_and_counts_failures() -> None:
     assert section[2].split()[:2] == ["sweep:", "never"] and "FAIL" in section[2]
 
 
-def test_sweep_measures_a_tiny_grid_with_the_real_policies() -> None:
+def test_sweep_measures_a_tiny_grid_with_the_real_policies(tmp_path: Path) -> None:
     # Two capacities of a short heavy-tailed loop trace through ours, LRU, Belady and the
     # oracle; the same task gives the same numbers (everything is seeded).
     import sweep
@@ -120,6 +126,8 @@ def test_sweep_measures_a_tiny_grid_with_the_real_policies() -> None:
     small, large = first
     assert large.belady >= small.belady and large.lru >= small.lru
     assert sweep.measure(task) == first
+    sweep.save(first, tmp_path / "points.json")
+    assert sweep.load(tmp_path / "points.json") == first
     # The two independent generators honour their length and size distribution.
     trace = sweep.independent_chat(1, 3_000, sweep.SIZE_DISTS["constant"])
     assert len(trace.keys) == 3_000 and set(trace.sizes.values()) == {1024}
