@@ -59,13 +59,14 @@ class Check:
 def lines(checks: Sequence[Check]) -> list[str]:
     """The goals section: a title, one line per goal, and how many are met."""
     width = max((len(check.name) for check in checks), default=4)
+    measured = max((len(check.measured) for check in checks), default=8)
     met = sum(check.passed for check in checks)
     return [
         TITLE,
-        f"{'goal':<{width}}  {'verdict':<7}  {'measured':<52}  target",
+        f"{'goal':<{width}}  {'verdict':<7}  {'measured':<{measured}}  target",
         *(
             f"{check.name:<{width}}  {'PASS' if check.passed else 'FAIL':<7}  "
-            f"{check.measured:<52}  {check.goal}"
+            f"{check.measured:<{measured}}  {check.goal}"
             for check in checks
         ),
         f"{met} of {len(checks)} goals met",
@@ -128,7 +129,7 @@ def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal])
             checks.append(
                 Check(
                     f"{family} {length // 1000}k at {capacity:.0%}",
-                    f"{min(ratios):.3f} x {goal.reference} (seeds "
+                    f"{min(ratios):.3f} x {sweep.REFERENCES[goal.reference]} (seeds "
                     + ", ".join(
                         f"{result.point.seed}: {ratio:.3f}"
                         for result, ratio in zip(points, ratios, strict=True)

@@ -213,6 +213,10 @@ class Measured:
         return self.ours / value
 
 
+REFERENCES = {"lru": "plain LRU", "belady": "Belady", "oracle": "the oracle"}
+"""The policies a goal can be judged against (`Measured` fields), by their names in print."""
+
+
 @dataclass(frozen=True)
 class Goal:
     """ours >= `threshold` x `reference` at every point of `families` (None: every family)."""
@@ -223,8 +227,7 @@ class Goal:
     families: tuple[str, ...] | None = None
 
     def describe(self) -> str:
-        names = {"lru": "plain LRU", "belady": "Belady", "oracle": "the oracle"}
-        return f"ours >= {self.threshold} x {names[self.reference]}"
+        return f"ours >= {self.threshold} x {REFERENCES[self.reference]}"
 
     def applies(self, family: str) -> bool:
         return self.families is None or family in self.families
