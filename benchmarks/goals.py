@@ -109,6 +109,8 @@ def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal])
     (`sweep.STATED`), with the default sizes, on every seed the sweep ran."""
     import sweep
 
+    import workloads
+
     checks = []
     for family, (length, capacity) in sweep.STATED.items():
         points = sorted(
@@ -118,7 +120,7 @@ def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal])
                 if result.point.family == family
                 and result.point.length == length
                 and result.point.capacity == capacity
-                and result.point.sizes == sweep.LOG_UNIFORM.name
+                and result.point.sizes == workloads.LOG_UNIFORM.name
             ),
             key=lambda result: result.point.seed,
         )
