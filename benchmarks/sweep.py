@@ -10,9 +10,11 @@ policy), plain LRU, Belady and the true-popularity oracle (`hit_ratio`'s
 functions, described there), and the byte hit ratios give the ratios the goals
 are judged by: ours / oracle, ours / Belady, ours / plain LRU.
 
-The grid (`grid()`), 373 points on 85 traces, sized to run in about 6 minutes on
-two cores (ours, the real allocator and policy, costs 60-130 us per request in
-pure Python; the other three policies little):
+The grid (`grid()`), 373 points on 85 traces, costs about 560 s of CPU time:
+about 5 minutes on two otherwise idle cores (ours, the real allocator and policy,
+costs 60-130 us per request in pure Python; the other three policies little). A
+process peaks near 5 GB at the 1 000 000-request points, whose capacities are
+tens of millions of blocks.
 
 * base: every family x capacities 2, 5, 10, 20, 30 % x seeds 101, 102, 103, at
   10 000 requests, sizes `loguniform`;
