@@ -3,11 +3,17 @@
     hatch run bench-all [--page PATH]
 
 Table 1 byte hit ratio (ours, vLLM's in-tree cache, plain LRU, Belady) on
-Zipf, Zipf+scans and chat traces at 5/10/20 % of the working set; Table 2
-descriptors per entry and allocation time after long churn; Table 3 scheduler
-cost per engine step; Table 4 CPU backend copy throughput vs memcpy; Table 6
-how long region creation blocks the engine's start against region size. The
-workloads are described in `workloads.py`; every trace is seeded.
+Zipf, Zipf+scans and chat traces at 5/10/20 % of the working set; the sweep
+(`sweep.py`: the policy's goals over seeds, lengths of 10k-1M requests,
+capacities of 2-30 % and four item-size distributions); Table 2 descriptors
+per entry and allocation time after long churn; Table 3 scheduler cost per
+engine step; Table 4 CPU backend copy throughput vs memcpy; Table 6 how long
+region creation blocks the engine's start against region size. The workloads
+are described in `workloads.py`; every trace is seeded.
+
+The run ends with "Goals (issue 36)" (`goals.py`): one line per goal of issue
+36, with the figure this run measured, the goal and PASS or FAIL, computed from
+the numbers the tables' functions hand back.
 
 Besides printing, the run writes the results page of the docs site
 (`docs/benchmarks/results.md`, see `results_page.py`) with its date, machine
@@ -26,8 +32,10 @@ from pathlib import Path
 import torch
 import vllm
 
+import goals
 import results_page
 import startup
+import sweep
 
 import copy_throughput
 import fragmentation
@@ -51,10 +59,15 @@ def main() -> None:
     load = results_page.load_average()
     print(f"EC CPU tier benchmarks, {date}: {machine}, {versions}")
     rows: list[hit_ratio.Row] = []
+    measured: list[sweep.Measured] = []
+    summaries: list[sweep.Summary] = []
+    allocation: list[fragmentation.Row] = []
+    steps: list[scheduler_cost.Row] = []
     parts: list[tuple[Callable[[], list[str]], str | None]] = [
         (lambda: hit_ratio.table(rows=rows), HIT_RATIO_FIGURE),
-        (fragmentation.table, None),
-        (scheduler_cost.table, None),
+        (lambda: sweep.table(summaries=summaries, record=measured), None),
+        (lambda: fragmentation.table(rows=allocation), None),
+        (lambda: scheduler_cost.table(rows=steps), None),
         (copy_throughput.table, None),
         (startup.table, None),
     ]
@@ -67,6 +80,18 @@ def main() -> None:
         print("\n".join(lines))
         print(f"({seconds:.0f} s)")
         tables.append(results_page.Table(lines, seconds, figure))
+    lines = goals.lines(
+        [
+            *goals.table1(rows),
+            *goals.independent(measured, sweep.GOALS),
+            *goals.swept(summaries, sweep.GOALS),
+            *goals.scheduler_step(steps),
+            *goals.allocation(allocation),
+        ]
+    )
+    print()
+    print("\n".join(lines))
+    tables.append(results_page.Table(lines, None))
     command = " ".join([COMMAND, *sys.argv[1:]])
     page = results_page.render(
         date=date, machine=machine, versions=versions, command=command, load=load, tables=tables

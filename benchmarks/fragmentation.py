@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 from ec_core.policy_names import DEFAULT_POLICY
 
@@ -70,7 +71,19 @@ def churn(cache: OursCache | InTreeCache, sizes: list[int], warmup: int) -> tupl
     return sum(runs) / len(runs), seconds / len(runs)
 
 
-def table() -> list[str]:
+@dataclass(frozen=True)
+class Row:
+    """One row of Table 2: ours over in-tree, for copy descriptors per entry and for the
+    save time (the median of the per-run ratios, and their range)."""
+
+    region_bits: int
+    descriptors_ratio: float
+    save_ratio: float
+    save_ratio_range: tuple[float, float]
+
+
+def table(rows: list[Row] | None = None) -> list[str]:
+    """The table's lines; with `rows`, each row's ratios are also appended there."""
     lines = [
         f"Table 2 - after churn, entries of {MIN_ROWS}-{MAX_ROWS} blocks ({MEASURED:,} measured "
         "allocations after the region filled and 500 more); ours = "
@@ -92,6 +105,15 @@ def table() -> list[str]:
             tree_runs, seconds = churn(InTreeCache(blocks), sizes, warmup)
             tree_s.append(seconds)
         ratios = [a / b for a, b in zip(ours_s, tree_s, strict=True)]
+        if rows is not None:
+            rows.append(
+                Row(
+                    bits,
+                    ours_runs / tree_runs,
+                    statistics.median(ratios),
+                    (min(ratios), max(ratios)),
+                )
+            )
         lines.append(
             f"{'2^' + str(bits):>13} {ours_runs:>11.3f} {tree_runs:>8.3f}"
             f" {ours_runs / tree_runs:>5.2f}x {statistics.median(ours_s) * 1e6:>12.1f}"

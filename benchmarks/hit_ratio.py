@@ -80,13 +80,18 @@ def _cell(result: Result, best: Result) -> str:
 
 @dataclass(frozen=True)
 class Row:
-    """One row of Table 1 as fractions of Belady's hit ratio (for the results page's plot)."""
+    """One row of Table 1: ours, in-tree, plain LRU and the oracle as fractions of Belady's
+    hit ratio (for the results page's plot), and the ratios the policy's goals are judged
+    by (ours / oracle, ours / plain LRU), each from the hit ratios themselves."""
 
     workload: str
     capacity: float
     ours: float
     in_tree: float
     lru: float
+    oracle: float
+    ours_per_oracle: float
+    ours_per_lru: float
 
 
 def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> list[str]:
@@ -114,6 +119,9 @@ def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> l
                         _ratio(ours.hit_ratio, best.hit_ratio),
                         _ratio(tree.hit_ratio, best.hit_ratio),
                         _ratio(lru.hit_ratio, best.hit_ratio),
+                        _ratio(oracle.hit_ratio, best.hit_ratio),
+                        _ratio(ours.hit_ratio, oracle.hit_ratio),
+                        _ratio(ours.hit_ratio, lru.hit_ratio),
                     )
                 )
             lines.append(

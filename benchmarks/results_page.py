@@ -22,11 +22,12 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results.md
 
 @dataclass(frozen=True)
 class Table:
-    """One benchmark's output: its lines (the first is its title), how long it ran, and
-    optionally a figure drawn from it (a file name next to the page)."""
+    """One benchmark's output: its lines (the first is its title), how long it ran (None
+    for a section computed from the others, such as the goals), and optionally a figure
+    drawn from it (a file name next to the page)."""
 
     lines: Sequence[str]
-    seconds: float
+    seconds: float | None
     figure: str | None = None
 
 
@@ -120,7 +121,9 @@ def render(
     ]
     for table in tables:
         title, *body = table.lines or ["(no output)"]
-        lines += ["", f"## {title}", "", "```", *body, "```", "", f"({table.seconds:.0f} s)"]
+        lines += ["", f"## {title}", "", "```", *body, "```"]
+        if table.seconds is not None:
+            lines += ["", f"({table.seconds:.0f} s)"]
         if table.figure is not None:
             lines += ["", f"![{title}]({table.figure})"]
     return "\n".join(lines) + "\n"

@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.cpu.common import (
@@ -265,9 +266,22 @@ def _config(policy: str | None) -> Any:
     )
 
 
-def table(policy: str | None = None) -> list[str]:
+@dataclass(frozen=True)
+class Row:
+    """One row of Table 3: microseconds per step of each side (medians of the runs) and
+    ours / in-tree (the median of the per-run ratios of interleaved runs, and their range)."""
+
+    items: int
+    ours_us: float
+    in_tree_us: float
+    ratio: float
+    ratio_range: tuple[float, float]
+
+
+def table(policy: str | None = None, rows: list[Row] | None = None) -> list[str]:
     """The table; `policy` runs this project's scheduler with that eviction policy
-    instead of the default (the in-tree side is the same either way)."""
+    instead of the default (the in-tree side is the same either way). With `rows`, each
+    row's figures are also appended there."""
     config = _config(policy)
     lines = [
         f"Table 3 - scheduler cost per engine step ({ROWS}-row images, half reloads, "
@@ -290,6 +304,16 @@ def table(policy: str | None = None) -> list[str]:
                 tree.shutdown()
         ours_us, tree_us = statistics.median(ours_runs), statistics.median(tree_runs)
         ratios = [a / b for a, b in zip(ours_runs, tree_runs, strict=True)]
+        if rows is not None:
+            rows.append(
+                Row(
+                    items,
+                    ours_us,
+                    tree_us,
+                    statistics.median(ratios),
+                    (min(ratios), max(ratios)),
+                )
+            )
         lines.append(
             f"{items:>10} {ours_us:>10.0f} {tree_us:>13.0f} {statistics.median(ratios):>12.2f}x"
             f"  {min(ratios):>8.2f}-{max(ratios):.2f}x"

@@ -2,7 +2,23 @@
 
 A trace is a list of item keys in request order; each key has a size in
 embedding rows (= region blocks: one block holds one row). Sizes are drawn
-log-uniformly between 256 and 16 384 rows, independently of popularity.
+log-uniformly between 256 and 16 384 rows, independently of popularity
+(`LOG_UNIFORM`, what Table 1 uses). Every generator takes `length` (requests)
+and `size_dist`, one of `SIZE_DISTS` (the sweep in `sweep.py` uses the others;
+a row is taken as `ROW_BYTES` = 4 KiB there, so 1 row is 4 KiB and 65 536 rows
+256 MiB):
+
+* `loguniform` (`LOG_UNIFORM`): 256-16 384 rows, log-uniform (1-64 MiB);
+* `constant`: every item 1 024 rows (4 MiB);
+* `heavy`: heavy-tailed, Pareto with shape 0.7 from 1 row, capped at
+  65 536 rows: half the items are at most 2-3 rows (a few KB), one in a
+  thousand is over 19 000 rows (75 MiB), the largest reach 256 MiB, and a
+  few items hold much of the working set's bytes;
+* `bimodal`: images and video: 80 % images of 256-1 024 rows (1-4 MiB),
+  20 % videos of 8 192-32 768 rows (32-128 MiB), each log-uniform.
+
+With the default `size_dist` every trace is the same, draw for draw, as
+before the parameter existed (Table 1's numbers do not move).
 
 * `zipf(alpha)`: 1 200 items, popularity ∝ 1 / rank^alpha.
 * `zipf_scans`: the Zipf(1.0) stream, interrupted on average every ~60
@@ -42,7 +58,8 @@ total size of its distinct items.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from ec_scheduler.sizing import SizedTrace
 
@@ -51,6 +68,45 @@ MAX_ROWS = 16384
 LENGTH = 12_000
 SHORT = 4_000
 ITEMS = 1_200
+ROW_BYTES = 4096
+"""The row size the size distributions are described in (1 row = 1 block = 4 KiB)."""
+
+
+@dataclass(frozen=True)
+class SizeDist:
+    """A distribution of item sizes in rows: `draw` takes one size (>= 1) from `rng`."""
+
+    name: str
+    draw: Callable[[random.Random], int]
+
+
+def _log_uniform(low: int, high: int) -> Callable[[random.Random], int]:
+    """Sizes 2**U(log2 low, log2 high), truncated to ints; `low` and `high` powers of 2."""
+    low_bits, high_bits = low.bit_length() - 1, high.bit_length() - 1
+    return lambda rng: int(2 ** rng.uniform(low_bits, high_bits))
+
+
+def _pareto(shape: float, cap: int) -> Callable[[random.Random], int]:
+    return lambda rng: min(int(rng.paretovariate(shape)), cap)
+
+
+def _bimodal(rng: random.Random) -> int:
+    if rng.random() < 0.8:
+        return int(2 ** rng.uniform(8, 10))  # an image: 256-1 024 rows
+    return int(2 ** rng.uniform(13, 15))  # a video: 8 192-32 768 rows
+
+
+LOG_UNIFORM = SizeDist("loguniform", _log_uniform(MIN_ROWS, MAX_ROWS))
+SIZE_DISTS = {
+    dist.name: dist
+    for dist in (
+        LOG_UNIFORM,
+        SizeDist("constant", lambda rng: 1024),
+        SizeDist("heavy", _pareto(0.7, 65536)),
+        SizeDist("bimodal", _bimodal),
+    )
+}
+"""The size distributions by name; `loguniform` is every generator's default."""
 
 
 Trace = SizedTrace
@@ -58,13 +114,14 @@ Trace = SizedTrace
 sizing tool's trace type, so that it replays these as they are."""
 
 
-def _sizes(keys: list[str], seed: int) -> dict[str, int]:
+def _sizes(keys: list[str], seed: int, size_dist: SizeDist = LOG_UNIFORM) -> dict[str, int]:
+    """Each distinct key's size, drawn in order of first request from a `seed`ed stream."""
     rng = random.Random(seed)
     sizes: dict[str, int] = {}
-    low, high = MIN_ROWS.bit_length() - 1, MAX_ROWS.bit_length() - 1
+    draw = size_dist.draw
     for key in keys:
         if key not in sizes:
-            sizes[key] = int(2 ** rng.uniform(low, high))
+            sizes[key] = draw(rng)
     return sizes
 
 
@@ -75,12 +132,21 @@ def _zipf_keys(alpha: float, length: int, items: int, rng: random.Random) -> lis
     return [f"img{order[r]}" for r in rng.choices(range(items), weights=weights, k=length)]
 
 
-def zipf(alpha: float, *, length: int = LENGTH, items: int = ITEMS, seed: int = 1) -> Trace:
+def zipf(
+    alpha: float,
+    *,
+    length: int = LENGTH,
+    items: int = ITEMS,
+    seed: int = 1,
+    size_dist: SizeDist = LOG_UNIFORM,
+) -> Trace:
     keys = _zipf_keys(alpha, length, items, random.Random(seed))
-    return Trace(f"zipf a={alpha}", keys, _sizes(keys, seed + 100))
+    return Trace(f"zipf a={alpha}", keys, _sizes(keys, seed + 100, size_dist))
 
 
-def zipf_scans(*, length: int = LENGTH, items: int = ITEMS, seed: int = 2) -> Trace:
+def zipf_scans(
+    *, length: int = LENGTH, items: int = ITEMS, seed: int = 2, size_dist: SizeDist = LOG_UNIFORM
+) -> Trace:
     rng = random.Random(seed)
     base = _zipf_keys(1.0, length, items, rng)
     keys: list[str] = []
@@ -94,10 +160,12 @@ def zipf_scans(*, length: int = LENGTH, items: int = ITEMS, seed: int = 2) -> Tr
             keys.append(base[position % len(base)])
             position += 1
     keys = keys[:length]
-    return Trace("zipf+scans", keys, _sizes(keys, seed + 100))
+    return Trace("zipf+scans", keys, _sizes(keys, seed + 100, size_dist))
 
 
-def chat(*, length: int = LENGTH, seed: int = 3, live: int = 40) -> Trace:
+def chat(
+    *, length: int = LENGTH, seed: int = 3, live: int = 40, size_dist: SizeDist = LOG_UNIFORM
+) -> Trace:
     rng = random.Random(seed)
     keys: list[str] = []
     conversations: dict[int, list[str]] = {}
@@ -117,7 +185,7 @@ def chat(*, length: int = LENGTH, seed: int = 3, live: int = 40) -> Trace:
         if rng.random() < 0.08:
             active.remove(conversation)
     keys = keys[:length]
-    return Trace("chat", keys, _sizes(keys, seed + 100))
+    return Trace("chat", keys, _sizes(keys, seed + 100, size_dist))
 
 
 def _sessions_stream(
@@ -141,17 +209,19 @@ def _sessions_stream(
             del sessions[index]  # the newest sessions take the slowest ranks
 
 
-def sessions(*, length: int = SHORT, seed: int = 4, live: int = 150) -> Trace:
+def sessions(
+    *, length: int = SHORT, seed: int = 4, live: int = 150, size_dist: SizeDist = LOG_UNIFORM
+) -> Trace:
     rng = random.Random(seed)
     keys: list[str] = []
     turns = _sessions_stream(rng, "s", live=live, window=4, new_image=0.6, end=0.06)
     while len(keys) < length:
         keys.extend(next(turns))
     keys = keys[:length]
-    return Trace("sessions", keys, _sizes(keys, seed + 100))
+    return Trace("sessions", keys, _sizes(keys, seed + 100, size_dist))
 
 
-def bursts(*, length: int = SHORT, seed: int = 5) -> Trace:
+def bursts(*, length: int = SHORT, seed: int = 5, size_dist: SizeDist = LOG_UNIFORM) -> Trace:
     rng = random.Random(seed)
     pool = _zipf_keys(0.9, length, 400, rng)
     pending: list[tuple[int, str]] = []  # (position, key) of burst requests to come
@@ -179,14 +249,18 @@ def bursts(*, length: int = SHORT, seed: int = 5) -> Trace:
         else:
             keys.append(f"once{one_offs}")
             one_offs += 1
-    return Trace("bursts", keys, _sizes(keys, seed + 100))
+    return Trace("bursts", keys, _sizes(keys, seed + 100, size_dist))
 
 
-def video(*, length: int = SHORT, seed: int = 6, videos: int = 120) -> Trace:
+def video(
+    *, length: int = SHORT, seed: int = 6, videos: int = 120, size_dist: SizeDist | None = None
+) -> Trace:
+    """Frames share their video's size: by default 256-4 096 rows, log-uniform; with
+    `size_dist`, drawn from it per video."""
     rng = random.Random(seed)
     frames = [rng.randint(8, 48) for _ in range(videos)]
-    low, high = MIN_ROWS.bit_length() - 1, (MAX_ROWS // 4).bit_length() - 1
-    rows = [int(2 ** rng.uniform(low, high)) for _ in range(videos)]
+    draw = size_dist.draw if size_dist is not None else _log_uniform(MIN_ROWS, MAX_ROWS // 4)
+    rows = [draw(rng) for _ in range(videos)]
     weights = [1.0 / (rank + 1) for rank in range(videos)]
     keys: list[str] = []
     while len(keys) < length:
@@ -199,7 +273,9 @@ def video(*, length: int = SHORT, seed: int = 6, videos: int = 120) -> Trace:
     return Trace("video", keys, sizes)
 
 
-def loop(*, length: int = SHORT, seed: int = 7, items: int = 60) -> Trace:
+def loop(
+    *, length: int = SHORT, seed: int = 7, items: int = 60, size_dist: SizeDist = LOG_UNIFORM
+) -> Trace:
     rng = random.Random(seed)
     keys: list[str] = []
     position = one_offs = 0
@@ -210,7 +286,7 @@ def loop(*, length: int = SHORT, seed: int = 7, items: int = 60) -> Trace:
         else:
             keys.append(f"once{one_offs}")
             one_offs += 1
-    sizes = _sizes(keys, seed + 100)
+    sizes = _sizes(keys, seed + 100, size_dist)
     # Scale the one-offs so that the loop is 11 % of the working set.
     loop_rows = sum(size for key, size in sizes.items() if key.startswith("loop"))
     other_rows = sum(size for key, size in sizes.items() if not key.startswith("loop"))
@@ -221,7 +297,7 @@ def loop(*, length: int = SHORT, seed: int = 7, items: int = 60) -> Trace:
     return Trace("loop", keys, sizes)
 
 
-def phase(*, length: int = SHORT, seed: int = 8) -> Trace:
+def phase(*, length: int = SHORT, seed: int = 8, size_dist: SizeDist = LOG_UNIFORM) -> Trace:
     rng = random.Random(seed)
     half = length // 2
     keys = _zipf_keys(1.0, half, 600, rng)
@@ -238,7 +314,7 @@ def phase(*, length: int = SHORT, seed: int = 8) -> Trace:
                 turn = list(next(turns))
             keys.append(turn.pop(0))
     keys = keys[:length]
-    return Trace("phase", keys, _sizes(keys, seed + 100))
+    return Trace("phase", keys, _sizes(keys, seed + 100, size_dist))
 
 
 def all_traces() -> list[Trace]:

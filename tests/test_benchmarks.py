@@ -1,10 +1,12 @@
-"""What the benchmark scripts tell an operator when something goes wrong (no benchmark
-is run: each test drives the smallest piece with stand-ins)."""
+"""What the benchmark scripts tell an operator when something goes wrong, and how the
+goals of issue 36 are judged (no full benchmark is run: each test drives the smallest
+piece with stand-ins, or a tiny grid of the sweep)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,3 +44,142 @@ def test_policy_playback_takes_the_recorded_decisions_and_refuses_others() -> No
     answers.popleft()  # a recording one answer short: every later question is off by one
     with pytest.raises(AssertionError, match="playback was asked"):
         scheduler_cost.played_back_us(config, 128, answers)
+
+
+def test_table_1_traces_are_pinned() -> None:
+    # The sweep added size and length parameters to the trace generators; with the
+    # defaults every trace must stay the same, draw for draw, so Table 1 does not move.
+    import zlib
+
+    import workloads
+
+    digest = 0
+    for trace in workloads.all_traces():
+        digest = zlib.crc32(
+            repr((trace.name, trace.keys, sorted(trace.sizes.items()))).encode(), digest
+        )
+    assert digest == 0xC5BB7BFC
+
+
+def _measured(family: str, seed: int, capacity: float, ours: float, lru: float) -> Any:
+    import sweep
+
+    point = sweep.Point(family, seed, 10_000, capacity, "loguniform")
+    return sweep.Measured(point, ours=ours, lru=lru, belady=0.8, oracle=0.5)
+
+
+def test_sweep_summary_finds_the_worst_point_and_counts_failures() -> None:
+    import goals
+    import sweep
+
+    never_below_lru = next(goal for goal in sweep.GOALS if goal.reference == "lru")
+    measured = [
+        _measured("chat", 101, 0.05, ours=0.50, lru=0.50),  # 1.0
+        _measured("chat", 102, 0.30, ours=0.40, lru=0.50),  # 0.8: the worst
+        _measured("chat", 103, 0.02, ours=0.00, lru=0.00),  # both 0: counts as 1.0
+        _measured("loop", 101, 0.10, ours=0.20, lru=0.00),  # LRU 0: infinitely better
+        _measured("loop", 102, 0.10, ours=0.99, lru=1.00),  # 0.99: exactly the goal
+    ]
+    chat, loop = sweep.summarize(never_below_lru, measured)
+    assert (chat.family, chat.points, chat.failing, chat.holds) == ("chat", 3, 1, False)
+    assert chat.minimum == pytest.approx(0.8) and chat.median == pytest.approx(1.0)
+    assert chat.worst == measured[1].point
+    assert (loop.points, loop.failing, loop.holds) == (2, 0, True)
+    assert loop.minimum == pytest.approx(0.99) and loop.worst == measured[4].point
+    # A goal only covers its own families.
+    loop_goal = next(goal for goal in sweep.GOALS if goal.families == ("loop",))
+    assert [s.family for s in sweep.summarize(loop_goal, measured)] == ["loop"]
+
+    summaries: list[sweep.Summary] = []
+    lines = sweep.table(measured, summaries=summaries)
+    assert any(line.startswith(f"{never_below_lru.name}:") and "FAIL" in line for line in lines)
+    assert any(
+        "chat" in line and "seed 102, 10k, 30%" in line and "FAIL (1/3" in line for line in lines
+    )
+    assert (
+        "  points below: capacity 2% 0/1 5% 0/1 10% 0/2 30% 1/1; sizes loguniform 1/5; "
+        "length 10k 1/5"
+    ) in lines
+    video = next(line for line in lines if line.startswith("video near the oracle"))
+    assert video.endswith("no points")  # nothing measured is not a pass
+    checks = goals.swept(summaries, [never_below_lru, loop_goal])
+    assert [check.passed for check in checks] == [False, False]  # loop 101: 0.4 x oracle
+    assert "0.800" in checks[0].measured and "1 of 5 points below" in checks[0].measured
+    assert "0.400 (loop, seed 101" in checks[1].measured
+    assert "1 of 2 points below" in checks[1].measured
+    section = goals.lines([*checks, goals.Check("x", "1.0", "ours >= 1", passed=True)])
+    assert section[0] == goals.TITLE and section[-1] == "1 of 3 goals met"
+    assert section[2].split()[:2] == ["sweep:", "never"] and "FAIL" in section[2]
+
+
+def test_sweep_measures_a_tiny_grid_with_the_real_policies(tmp_path: Path) -> None:
+    # Two capacities of a short heavy-tailed loop trace through ours, LRU, Belady and the
+    # oracle; the same task gives the same numbers (everything is seeded).
+    import sweep
+
+    task = sweep.Task("loop", 101, 2_000, "heavy", (0.05, 0.30))
+    first = sweep.measure(task)
+    assert [result.point.capacity for result in first] == [0.05, 0.30]
+    for result in first:
+        for value in (result.ours, result.lru, result.belady, result.oracle):
+            assert 0.0 <= value <= 1.0
+    small, large = first
+    assert large.belady >= small.belady and large.lru >= small.lru
+    assert sweep.measure(task) == first
+    sweep.save(first, tmp_path / "points.json")
+    assert sweep.load(tmp_path / "points.json") == first
+    # The two independent generators honour their length and size distribution.
+    trace = sweep.independent_chat(1, 3_000, sweep.SIZE_DISTS["constant"])
+    assert len(trace.keys) == 3_000 and set(trace.sizes.values()) == {1024}
+    trace = sweep.independent_zipf_scans(1, 3_000)
+    assert len(trace.keys) == 3_000 and any(key.startswith("ix") for key in trace.keys)
+    assert set(trace.keys) == set(trace.sizes)
+
+
+def test_goals_compare_each_table_with_its_target() -> None:
+    import goals
+    import sweep
+
+    import fragmentation
+    import hit_ratio
+    import scheduler_cost
+
+    rows = [
+        hit_ratio.Row("zipf a=0.8", 0.05, 0.7, 0.6, 0.6, 0.8, 0.96, 1.1),
+        hit_ratio.Row("zipf a=1.0", 0.10, 0.7, 0.6, 0.6, 0.8, 0.94, 1.2),
+        hit_ratio.Row("loop", 0.05, 0.7, 0.0, 0.0, 0.8, 0.91, 2.0),
+        hit_ratio.Row("chat", 0.20, 0.9, 0.9, 0.9, 0.2, 4.00, 0.985),
+    ]
+    checks = {check.name: check for check in goals.table1(rows)}
+    assert not checks["Table 1 IRM Zipf rows"].passed
+    assert "0.940" in checks["Table 1 IRM Zipf rows"].measured
+    assert "zipf a=1.0 10%" in checks["Table 1 IRM Zipf rows"].measured
+    assert checks["Table 1 loop rows"].passed
+    assert "Table 1 video rows" not in checks  # no video row: no claim
+    every = checks["Table 1 every row"]
+    assert not every.passed and "chat 20%" in every.measured and "1 of 4 below" in every.measured
+
+    stated = [
+        sweep.Measured(
+            sweep.Point("ind-zipf-scans", seed, 100_000, 0.10, "loguniform"),
+            ours=0.6,
+            lru=0.5,
+            belady=belady,
+            oracle=0.6,
+        )
+        for seed, belady in ((101, 0.62), (102, 0.7))
+    ]
+    (zipf_scans,) = goals.independent(stated, sweep.GOALS)
+    assert not zipf_scans.passed and "101: 0.968" in zipf_scans.measured
+    assert "102: 0.857" in zipf_scans.measured
+
+    steps = [
+        scheduler_cost.Row(items, 10.0, 11.0, ratio, (ratio, ratio))
+        for items, ratio in ((8, 0.9), (32, 1.0), (128, 1.01))
+    ]
+    (step,) = goals.scheduler_step(steps)
+    assert not step.passed and "0.90 / 1.00 / 1.01" in step.measured
+    assert goals.scheduler_step(steps[:2])[0].passed
+    saves = [fragmentation.Row(bits, 1.0, 0.4, (0.3, 0.5)) for bits in (16, 18)]
+    assert goals.allocation(saves)[0].passed
+    assert not goals.allocation([*saves, fragmentation.Row(20, 1.0, 0.51, (0.5, 0.6))])[0].passed

@@ -73,6 +73,7 @@ def test_bench_all_writes_a_results_page_with_date_machine_command_and_tables(
     tables = [
         results_page.Table(["Table 9 - fake", "col  value", "  a      1"], 1.2),
         results_page.Table(["Table 10 - also fake", "x"], 0.4),
+        results_page.Table(["Goals - fake", "a  PASS"], None),  # computed: no time of its own
     ]
     text = results_page.render(
         date="2026-01-02 03:04 UTC",
@@ -90,6 +91,7 @@ def test_bench_all_writes_a_results_page_with_date_machine_command_and_tables(
     assert "**Command:** `hatch run bench-all`" in page
     assert "## Table 9 - fake\n\n```\ncol  value\n  a      1\n```\n\n(1 s)" in page
     assert "## Table 10 - also fake" in page
+    assert page.endswith("## Goals - fake\n\n```\na  PASS\n```\n")
 
 
 def test_bench_all_draws_its_figures_beside_the_page(tmp_path: Path) -> None:
