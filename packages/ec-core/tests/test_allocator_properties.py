@@ -207,6 +207,7 @@ class Harness:
         assert set(policy._count) == main, "every main entry, and only those, has a count"
         for count, bucket in enumerate(policy._buckets):
             assert all(policy._count[k] == count for k in bucket), "an entry in the wrong bucket"
+            assert policy._bucket_blocks[count] == sum(policy._blocks[k] for k in bucket)
         assert policy._used == sum(policy._blocks.values())
         ghosts = policy._refused
         assert ghosts.blocks == sum(ghosts.sizes.values())

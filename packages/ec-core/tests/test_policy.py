@@ -365,3 +365,20 @@ def test_wtinylfu_refuses_a_save_that_would_evict_more_frequent_entries() -> Non
     assert all(key in alloc for key in "abcd")
     assert _save(alloc, "hot", 25, seen=9)
     assert "hot" in alloc and sum(key in alloc for key in "abcd") == 3
+
+
+def test_wtinylfu_a_large_item_is_weighed_against_every_entry_it_would_evict() -> None:
+    """A 600-block item asked for 6 times, a full pool of 100 small entries:
+    10 asked for once, 90 asked for 9 times. Its allocation would evict the
+    10 rare ones and 50 frequent ones: it loses, although it beats the rare
+    ones it would evict first."""
+    policy = WTinyLFUPolicy(1000, window_fraction=0.001)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(1000, policy)
+    for i in range(100):
+        assert _save(alloc, f"k{i}", 10, seen=1 if i < 10 else 9)
+    alloc.drop("k99")  # the pool has let an entry go: every save duels from now on
+    assert _save(alloc, "k99", 10, seen=9)
+    assert not _save(alloc, "large", 600, seen=6)
+    assert alloc.last_refusal == "admission" and len(alloc) == 100
+    assert _save(alloc, "larger", 600, seen=12)  # more frequent than any of them

@@ -78,9 +78,9 @@ class WTinyLFUPolicy(FirstSightingGate):
       comparable with the candidates' estimates. A key is hashed once per
       request (the hash is remembered for the admission that follows a miss).
 
-    Every event is O(1) amortised, except a duel, which walks at most
-    `max_duel_victims` of the victims a candidate would displace (the
-    frequency expert's duel at most `shadow_duel_victims`), an aging, which
+    Every event is O(1) amortised (a duel reads the main part's blocks per
+    count, 16 numbers; the frequency expert's walks at most
+    `shadow_duel_victims` entries), except an aging, which
     moves every main entry once per sketch halving (a halving comes after at
     least `sketch_period_factor x 16` requests per entry, so O(1) amortised),
     and a mode change, which moves every entry once (at most once per sample).
@@ -102,7 +102,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         probe_every: int = 25,
         ema_weight: float = 0.02,
         max_sketch_width: int = 1 << 20,
-        max_duel_victims: int = 8,
         shadow_duel_victims: int = 32,
         max_ghost_entries: int = 1 << 16,
         sketch_period_factor: float = 4.0,
@@ -116,7 +115,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         self.admit_threshold = admit_threshold
         self.probe_every = probe_every
         self.ema_weight = ema_weight
-        self.max_duel_victims = max_duel_victims
         self.max_ghost_entries = max_ghost_entries
         self.guard_sample = guard_sample
         self.guard_margin = guard_margin
@@ -138,6 +136,8 @@ class WTinyLFUPolicy(FirstSightingGate):
             OrderedDict() for _ in range(self.sketch.cap + 1)
         ]
         self._count: dict[str, int] = {}
+        self._bucket_blocks = [0] * len(self._buckets)
+        """Blocks of the entries listed in each main bucket."""
         self._aged_at = self.sketch.resets
         self._used = 0
         self._filled = False
@@ -219,13 +219,17 @@ class WTinyLFUPolicy(FirstSightingGate):
             self._learn_size(key, num_blocks)
         digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
         estimate = self.sketch.estimate_hash(digest)
-        if estimate < 2 and not self._let_first_sighting_in(key):
-            for _ in range(self._refused.add(key, num_blocks)):
-                self._payoff(False)  # forgotten without coming back: refusing it was right
+        if (
+            not self.recency_mode
+            and self._filled
+            and not self._outranks_displaced(estimate, num_blocks)
+        ):
             return False
-        if not self.recency_mode and self._filled:
-            return self._outranks_displaced(estimate, num_blocks)
-        return True
+        if estimate >= 2 or self._let_first_sighting_in(key):
+            return True
+        for _ in range(self._refused.add(key, num_blocks)):
+            self._payoff(False)  # forgotten without coming back: refusing it was right
+        return False
 
     def _outranks_displaced(self, estimate: int, size: int) -> bool:
         """Whether an item of `size` blocks and request count `estimate` beats
@@ -235,21 +239,28 @@ class WTinyLFUPolicy(FirstSightingGate):
         needed = size - (self.capacity - self._used) - self._bytes[_OUTGOING]
         if needed <= 0:
             return True
-        weighted = covered = seen = 0
-        blocks_of = self._blocks
-        for count, bucket in enumerate(self._buckets):
-            for victim in bucket:
-                blocks = blocks_of[victim]
-                weighted += count * blocks
-                covered += blocks
-                seen += 1
-                if covered >= needed or seen >= self.max_duel_victims:
-                    break
-            if covered >= needed or seen >= self.max_duel_victims:
-                break
+        weighted, covered = self._displaced_weight(needed)
         if covered == 0:
             return True
         return (estimate - self.duel_margin) * covered > weighted
+
+    def _displaced_weight(self, needed: int) -> tuple[int, int]:
+        """The block-weighted request count of the main entries that `needed`
+        blocks would displace, least frequent first, and the blocks it covers
+        (less than `needed` when main holds fewer evictable blocks).
+
+        Exact at block granularity, whatever the number of entries: it reads
+        the buckets' block totals, O(buckets), so a large item cannot win by
+        being compared with only the first few of the many small, more
+        frequent entries it would evict."""
+        weighted = covered = 0
+        for count, blocks in enumerate(self._bucket_blocks):
+            take = min(blocks, needed - covered)
+            weighted += count * take
+            covered += take
+            if covered >= needed:
+                break
+        return weighted, covered
 
     def on_insert(self, key: str, num_blocks: int) -> None:
         if key == self._unsized:  # saved without asking `admit` (a forced save)
@@ -273,7 +284,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         elif segment == _MAIN:
             count = self.sketch.estimate(key)
             self._count[key] = count
-            self._buckets[count][key] = None
+            self._list_main(key, count)
         else:
             self._outgoing[key] = None
 
@@ -294,10 +305,10 @@ class WTinyLFUPolicy(FirstSightingGate):
         if segment is None:
             return
         self._filled = True
+        self._unlist(key, segment)
         blocks = self._blocks.pop(key)
         self._bytes[segment] -= blocks
         self._used -= blocks
-        self._unlist(key, segment)
         self._count.pop(key, None)
         if key in self._trial:
             self._trial_outcome(key, paid_off=False)
@@ -411,7 +422,14 @@ class WTinyLFUPolicy(FirstSightingGate):
         elif segment == _OUTGOING:
             self._outgoing.pop(key, None)
         else:
-            self._buckets[self._count[key]].pop(key, None)
+            count = self._count[key]
+            if self._buckets[count].pop(key, False) is None:
+                self._bucket_blocks[count] -= self._blocks[key]
+
+    def _list_main(self, key: str, count: int) -> None:
+        """Put the main entry `key` in the victim order, in the bucket of `count`."""
+        self._buckets[count][key] = None
+        self._bucket_blocks[count] += self._blocks[key]
 
     def _move(self, key: str, segment: int) -> None:
         old = self._segment[key]
@@ -427,7 +445,7 @@ class WTinyLFUPolicy(FirstSightingGate):
             count = self.sketch.estimate(key)
             self._count[key] = count
             if listed:
-                self._buckets[count][key] = None
+                self._list_main(key, count)
         elif listed:
             (self._window if segment == _WINDOW else self._outgoing)[key] = None
 
@@ -444,10 +462,13 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._aged_at = self.sketch.resets
         old = self._buckets
         self._buckets = [OrderedDict() for _ in old]
+        blocks = self._bucket_blocks
+        self._bucket_blocks = [0] * len(blocks)
         for count, bucket in enumerate(old):
             target = self._buckets[count >> shift]
             for key in bucket:
                 target[key] = None
+            self._bucket_blocks[count >> shift] += blocks[count]
         for key, count in self._count.items():
             self._count[key] = count >> shift
 
@@ -463,17 +484,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         size = self._blocks[candidate]
         if not self._filled and self.capacity - self._used >= size:
             return True  # the pool has never been full and has room for it
-        weighted = covered = seen = 0
-        for count, bucket in enumerate(self._buckets):
-            for victim in bucket:
-                blocks = self._blocks[victim]
-                weighted += count * blocks
-                covered += blocks
-                seen += 1
-                if covered >= size or seen >= self.max_duel_victims:
-                    break
-            if covered >= size or seen >= self.max_duel_victims:
-                break
+        weighted, covered = self._displaced_weight(size)
         if covered == 0:
             return True  # nothing in main to protect
         return (self.sketch.estimate(candidate) - self.duel_margin) * covered > weighted
