@@ -17,7 +17,9 @@ the numbers the tables' functions hand back.
 
 Besides printing, the run writes the results page of the docs site
 (`docs/benchmarks/results.md`, see `results_page.py`) with its date, machine
-and command, and Table 1's plot beside it (`hit-ratio.svg`); neither is ever
+and command, and Table 1's plot beside it (`hit-ratio.svg`); with the default
+`--page` it also regenerates the sizing page's figure and table
+(`docs/sizing.svg`, `docs/sizing.md`, see `sizing.py`). None of them is ever
 edited by hand.
 """
 
@@ -34,6 +36,7 @@ import vllm
 
 import goals
 import results_page
+import sizing
 import startup
 import sweep
 
@@ -98,6 +101,9 @@ def main() -> None:
     )
     figures = {HIT_RATIO_FIGURE: hit_ratio_chart(rows)}
     print(f"\nwrote {results_page.write(page, args.page, figures)}", file=sys.stderr)
+    if args.page == results_page.PAGE:  # the docs site's own run: its sizing page too
+        sizing.write_docs()
+        print(f"wrote {sizing.DOCS_PAGE} and {sizing.DOCS_FIGURE}", file=sys.stderr)
 
 
 def hit_ratio_chart(rows: list[hit_ratio.Row]) -> str:
