@@ -76,7 +76,8 @@ class WTinyLFUPolicy(FirstSightingGate):
       row), halved every `sketch_period_factor` widths of requests; each
       halving halves the main part's recorded counts too, so they stay
       comparable with the candidates' estimates. A key is hashed once per
-      request (the hash is remembered for the admission that follows a miss).
+      request (the hash is remembered for the admission that follows a miss,
+      and for the unpin that follows a hit).
 
     Every event is O(1) amortised (a duel reads the main part's blocks per
     count, 16 numbers; the frequency expert's walks at most
@@ -217,8 +218,7 @@ class WTinyLFUPolicy(FirstSightingGate):
     def admit(self, key: str, num_blocks: int) -> bool:
         if key == self._unsized:
             self._learn_size(key, num_blocks)
-        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
-        estimate = self.sketch.estimate_hash(digest)
+        estimate = self._estimate(key)
         if (
             not self.recency_mode
             and self._filled
@@ -237,17 +237,13 @@ class WTinyLFUPolicy(FirstSightingGate):
         the duel losers, which go first): the duel, held before anything is
         evicted."""
         needed = size - (self.capacity - self._used) - self._bytes[_OUTGOING]
-        if needed <= 0:
-            return True
-        weighted, covered = self._displaced_weight(needed)
-        if covered == 0:
-            return True
-        return (estimate - self.duel_margin) * covered > weighted
+        return needed <= 0 or self._outranks(estimate, needed)
 
-    def _displaced_weight(self, needed: int) -> tuple[int, int]:
-        """The block-weighted request count of the main entries that `needed`
-        blocks would displace, least frequent first, and the blocks it covers
-        (less than `needed` when main holds fewer evictable blocks).
+    def _outranks(self, estimate: int, needed: int) -> bool:
+        """The duel: whether a request count of `estimate`, less `duel_margin`,
+        beats the block-weighted mean count of the main entries that `needed`
+        blocks would displace, least frequent first (True when main has no
+        evictable blocks to protect).
 
         Exact at block granularity, whatever the number of entries: it reads
         the buckets' block totals, O(buckets), so a large item cannot win by
@@ -260,7 +256,7 @@ class WTinyLFUPolicy(FirstSightingGate):
             covered += take
             if covered >= needed:
                 break
-        return weighted, covered
+        return covered == 0 or (estimate - self.duel_margin) * covered > weighted
 
     def on_insert(self, key: str, num_blocks: int) -> None:
         if key == self._unsized:  # saved without asking `admit` (a forced save)
@@ -282,7 +278,7 @@ class WTinyLFUPolicy(FirstSightingGate):
             if self._bytes[_WINDOW] > self.window_target:
                 self._rebalance()
         elif segment == _MAIN:
-            count = self.sketch.estimate(key)
+            count = self._estimate(key)
             self._count[key] = count
             self._list_main(key, count)
         else:
@@ -404,7 +400,6 @@ class WTinyLFUPolicy(FirstSightingGate):
             window = self._window
             for key in reversed(losers):
                 window.move_to_end(key, last=False)
-            self._rebalance()
         else:
             # The window's overflow is what the pool holds, not newcomers: it
             # becomes the main part without duels (against a main part of one
@@ -415,16 +410,17 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     # -------------------------------------------------------- internals
 
-    def _unlist(self, key: str, segment: int) -> None:
-        """Take `key` out of its part's victim order (if it is there)."""
+    def _unlist(self, key: str, segment: int) -> bool:
+        """Take `key` out of its part's victim order; whether it was there."""
         if segment == _WINDOW:
-            self._window.pop(key, None)
-        elif segment == _OUTGOING:
-            self._outgoing.pop(key, None)
-        else:
-            count = self._count[key]
-            if self._buckets[count].pop(key, False) is None:
-                self._bucket_blocks[count] -= self._blocks[key]
+            return self._window.pop(key, False) is None
+        if segment == _OUTGOING:
+            return self._outgoing.pop(key, False) is None
+        count = self._count[key]
+        if self._buckets[count].pop(key, False) is None:
+            self._bucket_blocks[count] -= self._blocks[key]
+            return True
+        return False
 
     def _list_main(self, key: str, count: int) -> None:
         """Put the main entry `key` in the victim order, in the bucket of `count`."""
@@ -436,25 +432,17 @@ class WTinyLFUPolicy(FirstSightingGate):
         blocks = self._blocks[key]
         self._bytes[old] -= blocks
         self._bytes[segment] += blocks
-        listed = self._is_listed(key, old)
-        self._unlist(key, old)
+        listed = self._unlist(key, old)
         if old == _MAIN:
             del self._count[key]
         self._segment[key] = segment
         if segment == _MAIN:
-            count = self.sketch.estimate(key)
+            count = self._estimate(key)
             self._count[key] = count
             if listed:
                 self._list_main(key, count)
         elif listed:
             (self._window if segment == _WINDOW else self._outgoing)[key] = None
-
-    def _is_listed(self, key: str, segment: int) -> bool:
-        if segment == _WINDOW:
-            return key in self._window
-        if segment == _OUTGOING:
-            return key in self._outgoing
-        return key in self._buckets[self._count[key]]
 
     def _age_main(self) -> None:
         """Halve the main part's recorded counts as the sketch halved its counters."""
@@ -484,7 +472,10 @@ class WTinyLFUPolicy(FirstSightingGate):
         size = self._blocks[candidate]
         if not self._filled and self.capacity - self._used >= size:
             return True  # the pool has never been full and has room for it
-        weighted, covered = self._displaced_weight(size)
-        if covered == 0:
-            return True  # nothing in main to protect
-        return (self.sketch.estimate(candidate) - self.duel_margin) * covered > weighted
+        return self._outranks(self._estimate(candidate), size)
+
+    def _estimate(self, key: str) -> int:
+        """The sketch's count for `key`, reusing the hash of the last request
+        when it was for `key` (an admission, or the unpin after a hit)."""
+        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
+        return self.sketch.estimate_hash(digest)
