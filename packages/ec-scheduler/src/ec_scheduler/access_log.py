@@ -172,7 +172,8 @@ class AccessLog:
             )
 
     def _drain(self) -> None:
-        """Write what is queued (the writer thread; `close` after joining it)."""
+        """Write what is queued (the writer thread only: its last pass runs once
+        `close` has set the stop flag, before `close` closes the file)."""
         dropped = self.dropped
         if dropped > self._reported_drops:
             self._warn(

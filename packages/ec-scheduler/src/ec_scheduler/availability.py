@@ -136,7 +136,7 @@ class Availability:
         request: Request,
         num_computed_tokens: int,
         remote: RemoteSource | None,
-        suffix: str = "",
+        suffix: str,
     ) -> bool:
         """`ensure_cache_available` on a consumer: False while the request waits.
 

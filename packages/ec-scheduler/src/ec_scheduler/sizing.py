@@ -87,17 +87,17 @@ def trace_of_log(
 
 
 def default_capacities(
-    trace: BlockTrace, fractions: Sequence[float] = DEFAULT_FRACTIONS
+    trace: SizedTrace, fractions: Sequence[float] = DEFAULT_FRACTIONS
 ) -> list[int]:
     """Region sizes in blocks: `fractions` of the trace's working set (at least 1)."""
-    working_set = sum(trace.sizes.values())
+    working_set = trace.working_set
     return [max(1, int(working_set * fraction)) for fraction in fractions]
 
 
-def parse_sizes(text: str, trace: BlockTrace, block_bytes: int) -> list[int]:
+def parse_sizes(text: str, trace: SizedTrace, block_bytes: int) -> list[int]:
     """`--sizes`: comma-separated byte sizes (`8GiB`) or percentages of the working
     set (`5%`), as region blocks; ValueError on a bad one or one under a block."""
-    working_set = sum(trace.sizes.values())
+    working_set = trace.working_set
     capacities = []
     for part in (piece.strip() for piece in text.split(",")):
         if part.endswith("%"):
@@ -140,14 +140,14 @@ def sweep(
 
 
 def table(
-    rows: Sequence[SizingRow], trace: BlockTrace, block_bytes: int, policy: str = DEFAULT_POLICY
+    rows: Sequence[SizingRow], trace: SizedTrace, block_bytes: int, policy: str = DEFAULT_POLICY
 ) -> list[str]:
     """The table's lines: per region size (and its share of the working set), each
     cache's byte hit ratio, then the encoder runs it saved (requests served)."""
-    working_set = sum(trace.sizes.values())
+    working_set = trace.working_set
     names = " ".join(f"{_SHORT[name]:>7}" for name in CACHES)
     lines = [
-        f"{len(trace.keys)} requests of {len(trace.sizes)} distinct items; working set (WS) "
+        f"{len(trace.keys)} requests of {trace.distinct} distinct items; working set (WS) "
         f"{format_bytes(working_set * block_bytes)}, {working_set} blocks of {block_bytes} bytes",
         f"ours = the tier's allocator with policy {policy}; encoder runs saved = requests "
         "served from the region",
