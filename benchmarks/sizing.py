@@ -69,12 +69,16 @@ def write_log(trace: Trace, path: Path, block_bytes: int = BLOCK_BYTES) -> None:
         raise RuntimeError(f"the log of {trace.name} is incomplete ({log.written} records)")
 
 
-def replayable(trace: Trace, block_bytes: int = BLOCK_BYTES) -> SizedTrace:
-    """`trace` as the sizing tool sees it after a round trip through an access log."""
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "access.log"
+def replayable(
+    trace: Trace, block_bytes: int = BLOCK_BYTES, path: Path | None = None
+) -> SizedTrace:
+    """`trace` as the sizing tool sees it after a round trip through an access log
+    (written at `path`, kept; by default in a scratch directory, removed)."""
+    if path is not None:
         write_log(trace, path, block_bytes)
         return trace_of_log(read_log(path), name=trace.name)
+    with tempfile.TemporaryDirectory() as scratch:
+        return replayable(trace, block_bytes, Path(scratch) / "access.log")
 
 
 def write_docs(
@@ -120,11 +124,7 @@ def main() -> None:
         trace = trace_named(args.trace)
     except ValueError as exc:
         parser.exit(2, f"{exc}\n")
-    if args.write_log is not None:
-        write_log(trace, args.write_log, args.block_bytes)
-        sized = trace_of_log(read_log(args.write_log), name=trace.name)
-    else:
-        sized = replayable(trace, args.block_bytes)
+    sized = replayable(trace, args.block_bytes, args.write_log)
     capacities = parse_sizes(args.sizes, sized, args.block_bytes) if args.sizes else None
     lines, svg = report(sized, args.block_bytes, capacities, args.policy)
     print("\n".join(lines))

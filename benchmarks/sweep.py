@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import workloads
-from workloads import LOG_UNIFORM, SIZE_DISTS, SizeDist, Trace
+from workloads import LOG_UNIFORM, SIZE_DISTS, SizeDist, Trace, draw_sizes
 
 SEEDS = (101, 102, 103)
 CAPACITIES = (0.02, 0.05, 0.10, 0.20, 0.30)
@@ -109,7 +109,7 @@ def independent_zipf_scans(seed: int, length: int, size_dist: SizeDist = LOG_UNI
             rank = bisect.bisect_left(cumulative, rng.random() * total)
             keys.append(names[min(rank, catalogue - 1)])
     del keys[length:]
-    return Trace("ind-zipf-scans", keys, _first_seen_sizes(keys, seed * 31 + 5, size_dist))
+    return Trace("ind-zipf-scans", keys, draw_sizes(keys, seed * 31 + 5, size_dist))
 
 
 def independent_chat(seed: int, length: int, size_dist: SizeDist = LOG_UNIFORM) -> Trace:
@@ -149,16 +149,7 @@ def independent_chat(seed: int, length: int, size_dist: SizeDist = LOG_UNIFORM) 
         else:
             heapq.heappush(turns, (now + rng.expovariate(1.0 / mean_think[user]), user))
     del keys[length:]
-    return Trace("ind-chat", keys, _first_seen_sizes(keys, seed * 31 + 7, size_dist))
-
-
-def _first_seen_sizes(keys: list[str], seed: int, size_dist: SizeDist) -> dict[str, int]:
-    rng = random.Random(seed)
-    sizes: dict[str, int] = {}
-    for key in keys:
-        if key not in sizes:
-            sizes[key] = size_dist.draw(rng)
-    return sizes
+    return Trace("ind-chat", keys, draw_sizes(keys, seed * 31 + 7, size_dist))
 
 
 Maker = Callable[[int, int, SizeDist], Trace]

@@ -114,7 +114,7 @@ Trace = SizedTrace
 sizing tool's trace type, so that it replays these as they are."""
 
 
-def _sizes(keys: list[str], seed: int, size_dist: SizeDist = LOG_UNIFORM) -> dict[str, int]:
+def draw_sizes(keys: list[str], seed: int, size_dist: SizeDist = LOG_UNIFORM) -> dict[str, int]:
     """Each distinct key's size, drawn in order of first request from a `seed`ed stream."""
     rng = random.Random(seed)
     sizes: dict[str, int] = {}
@@ -141,7 +141,7 @@ def zipf(
     size_dist: SizeDist = LOG_UNIFORM,
 ) -> Trace:
     keys = _zipf_keys(alpha, length, items, random.Random(seed))
-    return Trace(f"zipf a={alpha}", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace(f"zipf a={alpha}", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def zipf_scans(
@@ -160,7 +160,7 @@ def zipf_scans(
             keys.append(base[position % len(base)])
             position += 1
     keys = keys[:length]
-    return Trace("zipf+scans", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace("zipf+scans", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def chat(
@@ -185,7 +185,7 @@ def chat(
         if rng.random() < 0.08:
             active.remove(conversation)
     keys = keys[:length]
-    return Trace("chat", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace("chat", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def _sessions_stream(
@@ -218,7 +218,7 @@ def sessions(
     while len(keys) < length:
         keys.extend(next(turns))
     keys = keys[:length]
-    return Trace("sessions", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace("sessions", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def bursts(*, length: int = SHORT, seed: int = 5, size_dist: SizeDist = LOG_UNIFORM) -> Trace:
@@ -249,7 +249,7 @@ def bursts(*, length: int = SHORT, seed: int = 5, size_dist: SizeDist = LOG_UNIF
         else:
             keys.append(f"once{one_offs}")
             one_offs += 1
-    return Trace("bursts", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace("bursts", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def video(
@@ -286,7 +286,7 @@ def loop(
         else:
             keys.append(f"once{one_offs}")
             one_offs += 1
-    sizes = _sizes(keys, seed + 100, size_dist)
+    sizes = draw_sizes(keys, seed + 100, size_dist)
     # Scale the one-offs so that the loop is 11 % of the working set.
     loop_rows = sum(size for key, size in sizes.items() if key.startswith("loop"))
     other_rows = sum(size for key, size in sizes.items() if not key.startswith("loop"))
@@ -314,7 +314,7 @@ def phase(*, length: int = SHORT, seed: int = 8, size_dist: SizeDist = LOG_UNIFO
                 turn = list(next(turns))
             keys.append(turn.pop(0))
     keys = keys[:length]
-    return Trace("phase", keys, _sizes(keys, seed + 100, size_dist))
+    return Trace("phase", keys, draw_sizes(keys, seed + 100, size_dist))
 
 
 def all_traces() -> list[Trace]:
