@@ -382,3 +382,57 @@ def test_wtinylfu_a_large_item_is_weighed_against_every_entry_it_would_evict() -
     assert not _save(alloc, "large", 600, seen=6)
     assert alloc.last_refusal == "admission" and len(alloc) == 100
     assert _save(alloc, "larger", 600, seen=12)  # more frequent than any of them
+
+
+def test_wtinylfu_a_rare_victim_does_not_carry_a_tie_past_the_residents() -> None:
+    """A full pool: four entries asked for 4 times and one asked for once. A
+    30-block item asked for 5 times (its count less the margin ties the four)
+    would evict the rare entry and 10 blocks of a frequent one: it is refused,
+    although it beats the blocks' mean (a mean would let it in, and on a loop
+    it would replace each resident just before its turn). Asked for 6 times it
+    outranks every entry it displaces and is saved."""
+    policy = WTinyLFUPolicy(100, window_fraction=0.01)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(100, policy)
+    for key in "abcd":
+        assert _save(alloc, key, 20, seen=4)
+    assert _save(alloc, "rare", 10, seen=1)
+    assert _save(alloc, "filler", 10, seen=4)
+    alloc.drop("filler")  # the pool has let an entry go: every save duels from now on
+    assert not _save(alloc, "tied", 30, seen=5)
+    assert alloc.last_refusal == "admission"
+    assert all(key in alloc for key in ("a", "b", "c", "d", "rare"))
+    assert _save(alloc, "hot", 30, seen=6)
+    assert "rare" not in alloc and "hot" in alloc
+
+
+def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
+    """Once the pool has been full, a window candidate still enters main without
+    a duel while main holds less than its share: it is not parked in outgoing
+    (where the next save would evict it) beside room main could give it."""
+    policy = WTinyLFUPolicy(100, window_fraction=0.01)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(100, policy)
+    for key in "abcd":
+        assert _save(alloc, key, 24, seen=4)
+    alloc.drop("a")
+    assert policy._filled
+    assert _save(alloc, "e", 24, seen=2)  # rarer than b-d: it would lose a duel
+    assert "e" in policy.evictable_in(1) and not policy.evictable_in(2)
+    assert _save(alloc, "f", 4, seen=2)  # into the last free blocks; main is full: it duels
+    assert policy.evictable_in(2) == ["f"], "it lost its duel"
+    assert len(alloc) == 5
+
+
+def test_wtinylfu_guard_waits_for_its_warm_up_samples() -> None:
+    """The guard takes no side during its first `guard_warmup` samples, however
+    clear they look; the sample after them does."""
+    policy = WTinyLFUPolicy(100, guard_warmup=4)
+    policy._set_recency_mode(False)
+    for _ in range(3):
+        policy._sample = [100, 100, 0]  # LRU served everything, the policy nothing
+        policy._end_sample()
+        assert not policy.recency_mode
+    policy._sample = [100, 100, 0]
+    policy._end_sample()
+    assert policy.recency_mode
