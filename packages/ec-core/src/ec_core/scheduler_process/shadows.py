@@ -48,10 +48,12 @@ class ShadowTinyLFU:
     """The frequency expert: W-TinyLFU over keys and sizes only (no blocks).
 
     A window LRU of `window_fraction` of `capacity` blocks; its least recent
-    items duel (the policy's sketch, block-weighted) for a place in an LRU
-    main part holding the rest: against the main items it would push out,
-    least recent first, at most `max_victims` of them (as the policy's own
-    duel), so a duel costs O(max_victims) however small main's items are.
+    items duel (the policy's sketch) for a place in an LRU main part holding
+    the rest: the candidate's estimate less `margin` against the
+    block-weighted mean estimate of the main items it would push out, least
+    recent first, at most `max_victims` of them, so a duel costs
+    O(max_victims) however small main's items are. (The policy's own duel
+    differs: it weighs the highest count among everything it displaces.)
     Holds at most `capacity` blocks.
     """
 
