@@ -408,8 +408,8 @@ def test_wtinylfu_a_rare_victim_does_not_carry_a_tie_past_the_residents() -> Non
 
 def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
     """Once the pool has been full, a window candidate still enters main without
-    a duel while main holds less than its share: it is not parked in outgoing
-    (where the next save would evict it) beside room main could give it."""
+    a duel while main's share of the pool has room for it: it is not parked in
+    outgoing (where the next save would evict it) beside room main could give it."""
     policy = WTinyLFUPolicy(100, window_fraction=0.01)
     policy._set_recency_mode(False)
     alloc = BlockAllocator(100, policy)
@@ -419,7 +419,7 @@ def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
     assert policy._filled
     assert _save(alloc, "e", 24, seen=2)  # rarer than b-d: it would lose a duel
     assert "e" in policy.evictable_in(1) and not policy.evictable_in(2)
-    assert _save(alloc, "f", 4, seen=2)  # into the last free blocks; main is full: it duels
+    assert _save(alloc, "f", 4, seen=2)  # into the last free blocks; no room in main's share
     assert policy.evictable_in(2) == ["f"], "it lost its duel"
     assert len(alloc) == 5
 
@@ -427,12 +427,24 @@ def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
 def test_wtinylfu_guard_waits_for_its_warm_up_samples() -> None:
     """The guard takes no side during its first `guard_warmup` samples, however
     clear they look; the sample after them does."""
-    policy = WTinyLFUPolicy(100, guard_warmup=4)
+    policy = WTinyLFUPolicy(100)
     policy._set_recency_mode(False)
-    for _ in range(3):
+    for _ in range(policy.guard_warmup):
         policy._sample = [100, 100, 0]  # LRU served everything, the policy nothing
         policy._end_sample()
         assert not policy.recency_mode
     policy._sample = [100, 100, 0]
     policy._end_sample()
     assert policy.recency_mode
+
+
+def test_wtinylfu_an_entry_that_displaces_nothing_wins_its_duel() -> None:
+    """The duel protects the blocks a candidate would take: one that needs none (a
+    zero-block entry, or room enough) wins against any main part."""
+    policy = WTinyLFUPolicy(100, window_fraction=0.01)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(100, policy)
+    for key in "abcd":
+        assert _save(alloc, key, 25, seen=9)
+    assert policy._outranks(1, 0) and policy._outranks(1, -5)
+    assert not policy._outranks(1, 1), "one block would displace an entry asked for 9 times"

@@ -108,7 +108,7 @@ class ECCPUSettings:
     (together with `ec_report_timeout_steps`; 0 switches this bound off, not both)."""
     policy: str = field(default=DEFAULT_POLICY, metadata={"key": KEY_POLICY})
     """Eviction and admission policy: `wtinylfu` (adaptive W-TinyLFU: an LRU window
-    in front of a frequency-filtered segmented LRU, with a recency mode while a
+    in front of a main part ordered by request count, with a recency mode while a
     shadow LRU would serve more and a doorkeeper for one-offs), `s3lfu` (adaptive
     admission, probation and LFU) or `lru`."""
     isolate_cache_salt: bool = field(default=True, metadata={"key": KEY_ISOLATE_CACHE_SALT})
