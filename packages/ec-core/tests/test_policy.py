@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 
 from ec_core.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from ec_core.scheduler_process.allocator import BlockAllocator
+from ec_core.scheduler_process.frequency_sketch import FrequencySketch
 from ec_core.scheduler_process.policy import POLICIES, make_policy
 from ec_core.scheduler_process.policy_lru import LRUPolicy
 from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
 from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
+from ec_core.scheduler_process.shadows import ShadowLRU, ShadowTinyLFU
 
 
 def _save(alloc: BlockAllocator, key: str, n: int, *, seen: int = 1) -> bool:
@@ -448,3 +451,83 @@ def test_wtinylfu_an_entry_that_displaces_nothing_wins_its_duel() -> None:
         assert _save(alloc, key, 25, seen=9)
     assert policy._outranks(1, 0) and policy._outranks(1, -5)
     assert not policy._outranks(1, 1), "one block would displace an entry asked for 9 times"
+
+
+def test_wtinylfu_one_huge_item_weighs_at_most_its_share_in_the_guard() -> None:
+    """A request counts at most `guard_item_share` of the pool in the guard's
+    samples: the frequency shadow hitting one item of half the pool does not
+    outweigh LRU serving 30 small ones (with full weight, that one hit alone
+    filled a sample and sent the policy into frequency mode)."""
+    policy = WTinyLFUPolicy(800, guard_item_share=1 / 8)
+    policy._samples = policy.guard_warmup  # past the warm-up
+    policy._lru.evicted = True  # the shadow LRU has been full: samples count
+    policy._tiny.main["big"] = 400  # held by the frequency shadow only
+    small = [f"s{i}" for i in range(30)]
+    for key in small:
+        policy._lru.order[key] = 10  # held by the shadow LRU only
+    policy._lru.used = 300
+    policy.on_request("big")
+    assert policy._sample == [100, 0, 100], "the big hit counts 800 / 8 blocks"
+    for key in small:
+        policy.on_request(key)
+    assert policy._samples == policy.guard_warmup + 1, "the sample ended"
+    assert policy.recency_mode and policy.guard_score == pytest.approx(0.5)
+
+
+def test_wtinylfu_shadows_follow_a_hash_sample_of_a_large_pools_small_items() -> None:
+    """Once the shadow LRU would hold more than `max_shadow_entries` keys, the
+    shadows follow only the small items whose key hash falls in a halved
+    sample, each weighing its blocks times the sampling factor; items of at
+    least capacity / `max_shadow_entries` blocks are always followed at their
+    own weight. Memory and per-request work stay bounded."""
+    pool = 20_000
+    policy = WTinyLFUPolicy(pool, max_shadow_entries=64)
+    alloc = BlockAllocator(pool, policy)
+    big = [f"big{i}" for i in range(8)]  # 400 blocks each, over 20,000 / 64
+    keys = [f"k{i % 1500}" for i in range(6000)]
+    for i, key in enumerate(keys):
+        _replay(alloc, [key], 10)
+        if i % 100 == 0:
+            _replay(alloc, [big[i // 100 % 8]], 400)
+    bits = policy.shadow_rate_bits
+    assert bits >= 4  # 1,500 small keys: a sixteenth of them is 94
+    mask = (1 << bits) - 1
+    small = {k: b for k, b in policy._lru.order.items() if not k.startswith("big")}
+    assert small and all(zlib.crc32(k.encode()) & mask == 0 for k in small)
+    assert all(b in (10 << bits, 10 << (bits - 1)) for b in small.values()), small
+    assert set(big) <= set(policy._lru.order), "the big items are always followed"
+    assert all(policy._lru.order[k] == 400 for k in big)
+    assert len(policy._lru.order) <= 64 + 1
+    assert policy._lru.used <= pool
+
+
+def test_shadow_reweigh_keeps_the_order_and_the_capacity() -> None:
+    lru = ShadowLRU(100)
+    for key in "abcd":
+        lru.insert(key, 20)
+    lru.reweigh(lambda key, blocks: None if key == "b" else blocks * 2)
+    assert list(lru.order) == ["c", "d"] and lru.used == 80 and lru.evicted
+    tiny = ShadowTinyLFU(100, 0.1, FrequencySketch(64))
+    for key in "abcdefgh":
+        tiny.insert(key, 10)
+    tiny.reweigh(lambda key, blocks: None if key in "ab" else blocks)
+    assert not {"a", "b"} & tiny.keys()
+    assert tiny.window_used + tiny.main_used == sum(tiny.window.values()) + sum(tiny.main.values())
+
+
+@pytest.mark.parametrize("max_shadow_entries", [1 << 30, 16])
+def test_wtinylfu_guard_takes_the_same_sides_with_sampled_shadows(
+    max_shadow_entries: int,
+) -> None:
+    """The guard's verdicts hold when the shadows follow a quarter of the keys
+    (16 of the pool's 40 entries): recency mode on sliding chats, frequency mode
+    on a hot set behind scans."""
+    pool = 40 * 10
+    policy = WTinyLFUPolicy(pool, max_shadow_entries=max_shadow_entries)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(pool, policy)
+    _replay(alloc, _sliding_sessions(1500), 10)
+    assert policy.recency_mode
+    _replay(alloc, _hot_set_with_scans(60), 10)
+    assert not policy.recency_mode
+    assert policy.shadow_rate_bits == (0 if max_shadow_entries > 40 else 2)

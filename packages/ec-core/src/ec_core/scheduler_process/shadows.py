@@ -8,8 +8,21 @@ guard compares (see `ec_core.scheduler_process.policy_wtinylfu`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ec_core.scheduler_process.frequency_sketch import FrequencySketch
+
+
+def _reweighed(
+    items: OrderedDict[str, int], weight: Callable[[str, int], int | None]
+) -> OrderedDict[str, int]:
+    """`items` in order, each with the blocks `weight(key, blocks)` gives (None: left out)."""
+    kept: OrderedDict[str, int] = OrderedDict()
+    for key, blocks in items.items():
+        new = weight(key, blocks)
+        if new is not None:
+            kept[key] = new
+    return kept
 
 
 class ShadowLRU:
@@ -29,6 +42,15 @@ class ShadowLRU:
 
     def keys(self) -> set[str]:
         return set(self.order)
+
+    def reweigh(self, weight: Callable[[str, int], int | None]) -> None:
+        """Give every item the blocks `weight(key, blocks)` says (None: forget it),
+        keeping the order; then evict least recent first while over capacity."""
+        order = self.order = _reweighed(self.order, weight)
+        self.used = sum(order.values())
+        while self.used > self.capacity:
+            self.used -= order.popitem(last=False)[1]
+            self.evicted = True
 
     def insert(self, key: str, blocks: int) -> None:
         """Save a missed item, evicting least recent first (a key held already is
@@ -79,6 +101,20 @@ class ShadowTinyLFU:
     def keys(self) -> set[str]:
         return set(self.window) | set(self.main)
 
+    def reweigh(self, weight: Callable[[str, int], int | None]) -> None:
+        """Give every item the blocks `weight(key, blocks)` says (None: forget it),
+        keeping each part's order; main then loses its least recent items while
+        over its share, and the window's overflow duels as usual."""
+        main = self.main = _reweighed(self.main, weight)
+        self.main_used = sum(main.values())
+        while self.main_used > self.main_capacity:
+            self.main_used -= main.popitem(last=False)[1]
+        window = _reweighed(self.window, weight)
+        self.window = OrderedDict()
+        self.window_used = 0
+        for key, blocks in window.items():
+            self.insert(key, blocks)
+
     def insert(self, key: str, blocks: int) -> None:
         """Save a missed item in the window; overflow duels for main (a key held
         already, in either part, is replaced: its blocks count once)."""
@@ -99,13 +135,16 @@ class ShadowTinyLFU:
         excess = self.main_used + size - self.main_capacity
         if excess > 0:
             estimate = self.sketch.estimate
+            score = estimate(candidate) - self.margin
+            if score <= 0:
+                return  # lost: no main item's estimate is below 0
             weighted = covered = 0
             for seen, (victim, blocks) in enumerate(main.items(), 1):
                 weighted += estimate(victim) * blocks
                 covered += blocks
                 if covered >= excess or seen >= self.max_victims:
                     break
-            if (estimate(candidate) - self.margin) * covered <= weighted:
+            if score * covered <= weighted:
                 return  # lost the duel: dropped
             while self.main_used + size > self.main_capacity:
                 self.main_used -= main.popitem(last=False)[1]
