@@ -531,3 +531,28 @@ def test_wtinylfu_guard_takes_the_same_sides_with_sampled_shadows(
     _replay(alloc, _hot_set_with_scans(60), 10)
     assert not policy.recency_mode
     assert policy.shadow_rate_bits == (0 if max_shadow_entries > 40 else 2)
+
+
+def test_wtinylfu_doorkeeper_keeps_first_sightings_that_pay_like_repeats() -> None:
+    """Below `admit_threshold`, first sightings are still written while they pay
+    off at least `admit_relative` of what saves of items seen before pay off;
+    refused once they pay off much less (one-offs)."""
+    policy = WTinyLFUPolicy(1000, admit_threshold=0.25, admit_relative=0.7)
+    alloc = BlockAllocator(1000, policy)
+    policy.first_sighting_payoff = 0.2
+    policy.repeat_payoff = 0.25  # 0.2 >= 0.7 x 0.25: as good as repeats, nearly
+    assert _save(alloc, "new1", 10)
+    policy.first_sighting_payoff = 0.2
+    policy.repeat_payoff = 0.9  # repeats pay far better: first sightings are one-offs
+    assert not _save(alloc, "new2", 10)
+
+
+def test_wtinylfu_repeat_payoff_learns_from_saves_of_items_seen_before() -> None:
+    policy = WTinyLFUPolicy(100)
+    alloc = BlockAllocator(100, policy)
+    assert _save(alloc, "a", 10, seen=2) and _save(alloc, "b", 10, seen=2)
+    _hit(alloc, "a")
+    assert policy.repeat_payoff == 1.0, "a hit on a new save keeps the average at 1"
+    alloc.drop("b")  # left without a hit
+    assert policy.repeat_payoff == pytest.approx(1 - policy.ema_weight)
+    assert not policy._repeat_trial, "both trials ended"

@@ -8,9 +8,10 @@ class FirstSightingGate:
     time is worth writing.
 
     First sightings are written while they have been paying off (a moving
-    average of "hit before it left" at or above `admit_threshold`); otherwise one
-    in `probe_every` is still written, so the average keeps being measured. A
-    written first sighting is on trial until it is hit or leaves.
+    average of "hit before it left" at or above `admit_threshold`, or whatever
+    `_first_sightings_pay` a policy defines); otherwise one in `probe_every` is
+    still written, so the average keeps being measured. A written first
+    sighting is on trial until it is hit or leaves.
     """
 
     first_sighting_payoff: float
@@ -22,13 +23,14 @@ class FirstSightingGate:
 
     def _let_first_sighting_in(self, key: str) -> bool:
         self._first_sightings += 1
-        if (
-            self.first_sighting_payoff >= self.admit_threshold
-            or self._first_sightings % self.probe_every == 0
-        ):
+        if self._first_sightings_pay() or self._first_sightings % self.probe_every == 0:
             self._trial.add(key)
             return True
         return False
+
+    def _first_sightings_pay(self) -> bool:
+        """Whether first sightings have been paying off enough to be written."""
+        return self.first_sighting_payoff >= self.admit_threshold
 
     def _trial_outcome(self, key: str, paid_off: bool) -> None:
         if key in self._trial:
