@@ -21,15 +21,21 @@ the item if the cache admits it (allocate, then mark ready once written).
                best static choice up to knapsack rounding). It misses every
                item's first request, as any cache must. It knows popularity
                but not order: it wins where frequency is all there is (Zipf)
-               and loses where recency or phases matter (chat, loops, phases).
+               and loses where recency or phases matter (chat, loops, phases);
+* exact LFU  — `exact_lfu.run_exact_lfu`, an online reference with perfect
+               memory: LFU over every item's exact request count since the
+               trace began. Where it falls short of a goal, counting requests
+               does not reach it: a policy must draw on more than the counts
+               seen so far (recency, sizes) to.
 
 Byte hit ratio = embedding rows served from the region / rows requested.
 "written/hit" = rows written to the region per row served; "runs" = copy
 descriptors per saved entry (runs of consecutive blocks) in ours. "ours/LRU" is the
 ratio the policy's never-below-LRU goal is judged by (>= 0.99).
 
-The replays of ours and the references are `ec_scheduler.sizing_references`, the
-code the operators' sizing tool (`ec-cpu-sizing`) runs too.
+The replays of ours and the references but the exact LFU are
+`ec_scheduler.sizing_references`, the code the operators' sizing tool
+(`ec-cpu-sizing`) runs too.
 """
 
 from __future__ import annotations
@@ -48,12 +54,14 @@ from ec_scheduler.sizing_references import (
 )
 
 from caches import InTreeCache
+from exact_lfu import run_exact_lfu
 from workloads import CAPACITIES, Trace, all_traces
 
 __all__ = [
     "Result",
     "Row",
     "run_belady",
+    "run_exact_lfu",
     "run_in_tree",
     "run_oracle",
     "run_ours",
@@ -82,7 +90,8 @@ def _cell(result: Result, best: Result) -> str:
 class Row:
     """One row of Table 1: ours, in-tree, plain LRU and the oracle as fractions of Belady's
     hit ratio (for the results page's plot), and the ratios the policy's goals are judged
-    by (ours / oracle, ours / plain LRU), each from the hit ratios themselves."""
+    by (ours / oracle, ours / plain LRU), each from the hit ratios themselves, and the
+    exact-count LFU as a fraction of the oracle (how near counting alone comes)."""
 
     workload: str
     capacity: float
@@ -92,6 +101,7 @@ class Row:
     oracle: float
     ours_per_oracle: float
     ours_per_lru: float
+    exact_lfu_per_oracle: float = math.nan
 
 
 def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> list[str]:
@@ -101,7 +111,7 @@ def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> l
         "w/h = rows written per row served",
         f"{'workload':<12} {'cap':>4} {'Belady':>7} | {'ours (' + DEFAULT_POLICY + ')':>22} "
         f"{'runs':>4} | {'in-tree':>19} | {'plain LRU':>9} | {'oracle':>12} | "
-        f"{'ours/in-tree':>12} | {'ours/LRU':>8}",
+        f"{'ours/in-tree':>12} | {'ours/LRU':>8} | {'exact LFU':>9}",
     ]
     for trace in traces if traces is not None else all_traces():
         for fraction in CAPACITIES:
@@ -111,6 +121,7 @@ def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> l
             tree = run_in_tree(trace, capacity)
             lru = run_plain_lru(trace, capacity)
             oracle = run_oracle(trace, capacity)
+            exact = run_exact_lfu(trace, capacity)
             if rows is not None:
                 rows.append(
                     Row(
@@ -122,6 +133,7 @@ def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> l
                         _ratio(oracle.hit_ratio, best.hit_ratio),
                         _ratio(ours.hit_ratio, oracle.hit_ratio),
                         _ratio(ours.hit_ratio, lru.hit_ratio),
+                        _ratio(exact.hit_ratio, oracle.hit_ratio),
                     )
                 )
             lines.append(
@@ -130,7 +142,8 @@ def table(traces: list[Trace] | None = None, rows: list[Row] | None = None) -> l
                 f"{_ratio(lru.hit_ratio, best.hit_ratio):>8.2f}x | "
                 f"{oracle.hit_ratio:.3f} {_ratio(oracle.hit_ratio, best.hit_ratio):.2f}x | "
                 f"{_ratio(ours.hit_ratio, tree.hit_ratio):>11.2f}x | "
-                f"{_ratio(ours.hit_ratio, lru.hit_ratio):>7.3f}x"
+                f"{_ratio(ours.hit_ratio, lru.hit_ratio):>7.3f}x | "
+                f"{_ratio(exact.hit_ratio, best.hit_ratio):>8.2f}x"
             )
     return lines
 
