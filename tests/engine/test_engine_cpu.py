@@ -33,10 +33,7 @@ def test_outputs_are_token_identical_with_the_one_connector_name(
     """The default multiprocess engine, configured with `ec_connector:
     "ECCPUTierConnector"` alone: the CPU platform picks the CPU backend. Its
     metrics are read from the front end."""
-    # vLLM SIGKILLs an EngineCore (and its workers) still shutting down 5 s after its
-    # SIGTERM; on a loaded machine that can come before the worker's shutdown runs
-    # at all. A clean shutdown must not depend on machine speed: it gets 60 s.
-    spec = connector_spec(model_dir, tmp_path, metrics=True, shutdown_grace_s=60)
+    spec = connector_spec(model_dir, tmp_path, metrics=True)
     result = run_in_subprocess(spec)
     assert result["passes"] == baseline
     assert len(result["region_files_while_running"]) == 1

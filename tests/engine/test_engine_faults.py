@@ -74,7 +74,7 @@ def test_failing_load_submissions_fall_back_and_the_engine_survives(
     assert metrics["vllm:ec_cpu_loads"] >= 6
     assert metrics["vllm:ec_cpu_load_fallbacks"] == metrics["vllm:ec_cpu_loads"]
     assert "injected load submission failure" in result["log"]
-    assert region_files(tmp_path) == []
+    assert region_files(tmp_path) == [], f"the engine's log ends:\n{result['log'][-4000:]}"
 
 
 def test_tensor_parallel_load_failing_on_one_rank_only(

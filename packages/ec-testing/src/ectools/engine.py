@@ -76,9 +76,13 @@ class EngineSpec:
     cache_salts: list[str | None] = field(default_factory=list)
     """Per pass, vLLM's `cache_salt` its requests carry (None, or a pass past the end
     of the list: none)."""
-    shutdown_grace_s: int | None = None
+    shutdown_grace_s: int | None = 60
     """How long vLLM lets the engine's processes shut down before it SIGKILLs them
-    (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`); None keeps vLLM's 5 s."""
+    (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`); None keeps vLLM's 5 s. 60 s by default:
+    on a loaded machine vLLM's 5 s can pass before the worker's shutdown runs at all,
+    and a test that checks a clean shutdown removed the region file must not depend
+    on machine speed (a CI run saw a file left that way). A test that means to kill
+    an engine kills it itself."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables of the engine's process besides `engine_env`'s (e.g. the
     peer secret, `EC_CPU_TIER_PEER_SECRET`)."""
