@@ -294,6 +294,14 @@ class WTinyLFUPolicy(FirstSightingGate):
         payoff = self.first_sighting_payoff
         return payoff >= self.admit_threshold or payoff >= self.admit_relative * self.repeat_payoff
 
+    def _repeat_outcome(self, key: str, paid_off: bool) -> None:
+        """End a save of an item seen before's trial (if on one) in `repeat_payoff`
+        (the twin of `_trial_outcome` for first sightings)."""
+        if key in self._repeat_trial:
+            self._repeat_trial.discard(key)
+            target = 1.0 if paid_off else 0.0
+            self.repeat_payoff += self.ema_weight * (target - self.repeat_payoff)
+
     def _outranks_displaced(self, estimate: int, size: int) -> bool:
         """Whether an item of `size` blocks and request count `estimate` beats
         the main entries its allocation would evict (after the free blocks and
@@ -359,9 +367,8 @@ class WTinyLFUPolicy(FirstSightingGate):
                 self._sample[2] += min(weight, self._weight_cap)
         if key in self._trial:
             self._trial_outcome(key, paid_off=True)
-        elif key in self._repeat_trial:
-            self._repeat_trial.discard(key)
-            self.repeat_payoff += self.ema_weight * (1.0 - self.repeat_payoff)
+        else:
+            self._repeat_outcome(key, paid_off=True)
         if segment != _WINDOW and (self.recency_mode or segment == _OUTGOING):
             self._move(key, _WINDOW)  # (a loser hit again was worth keeping after all)
 
@@ -377,9 +384,8 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._count.pop(key, None)
         if key in self._trial:
             self._trial_outcome(key, paid_off=False)
-        elif key in self._repeat_trial:
-            self._repeat_trial.discard(key)
-            self.repeat_payoff -= self.ema_weight * self.repeat_payoff
+        else:
+            self._repeat_outcome(key, paid_off=False)
 
     # ---------------------------------------------------------- queries
 
@@ -458,10 +464,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         return blocks << self.shadow_rate_bits if sampled else None
 
     def _in_hash_sample(self, key: str) -> bool:
-        if not self._shadow_mask:
-            return True
-        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
-        return not digest & self._shadow_mask
+        return not self._shadow_mask or not self._hash(key) & self._shadow_mask
 
     def _thin_shadows(self) -> None:
         """Halve the shadows' sample of small items (spatial sampling, as in SHARDS).
@@ -604,5 +607,8 @@ class WTinyLFUPolicy(FirstSightingGate):
     def _estimate(self, key: str) -> int:
         """The sketch's count for `key`, reusing the hash of the last request
         when it was for `key` (an admission, or the unpin after a hit)."""
-        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
-        return self.sketch.estimate_hash(digest)
+        return self.sketch.estimate_hash(self._hash(key))
+
+    def _hash(self, key: str) -> int:
+        """The key's CRC-32, reusing the last request's when it was for `key`."""
+        return self._last_hash if key == self._last_key else zlib.crc32(key.encode())
