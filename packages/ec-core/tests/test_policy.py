@@ -358,9 +358,7 @@ def test_wtinylfu_refuses_a_save_that_would_evict_more_frequent_entries() -> Non
     alloc = BlockAllocator(100, policy)
     for key in "abcd":
         assert _save(alloc, key, 25, seen=4)
-    assert policy._filled is False
-    alloc.drop("d")  # the pool has let an entry go: from now on every save duels
-    assert policy._filled
+    alloc.drop("d")
     assert _save(alloc, "d", 25, seen=4)  # into the free quarter: nothing to evict
     assert not list(policy.evictable_in(2)), "no duel loser waiting to go"
     assert not _save(alloc, "rare", 25, seen=2)
@@ -368,6 +366,23 @@ def test_wtinylfu_refuses_a_save_that_would_evict_more_frequent_entries() -> Non
     assert all(key in alloc for key in "abcd")
     assert _save(alloc, "hot", 25, seen=9)
     assert "hot" in alloc and sum(key in alloc for key in "abcd") == 3
+
+
+def test_wtinylfu_the_first_overflow_of_a_filling_pool_duels_too() -> None:
+    """In frequency mode, in a pool that has never let an entry go: an item whose
+    allocation would overflow it, evicting main entries asked for more often, is
+    refused (one large item does not flush a pool still filling up); one that
+    fits in the free blocks is saved without a duel."""
+    policy = WTinyLFUPolicy(100, window_fraction=0.01)
+    policy._set_recency_mode(False)
+    alloc = BlockAllocator(100, policy)
+    for key in "abc":
+        assert _save(alloc, key, 20, seen=4)
+    assert not _save(alloc, "large", 60, seen=1)
+    assert alloc.last_refusal == "admission"
+    assert all(key in alloc for key in "abc") and len(alloc) == 3
+    assert _save(alloc, "fits", 40, seen=1)
+    assert len(alloc) == 4
 
 
 def test_wtinylfu_a_large_item_is_weighed_against_every_entry_it_would_evict() -> None:
@@ -380,8 +395,6 @@ def test_wtinylfu_a_large_item_is_weighed_against_every_entry_it_would_evict() -
     alloc = BlockAllocator(1000, policy)
     for i in range(100):
         assert _save(alloc, f"k{i}", 10, seen=1 if i < 10 else 9)
-    alloc.drop("k99")  # the pool has let an entry go: every save duels from now on
-    assert _save(alloc, "k99", 10, seen=9)
     assert not _save(alloc, "large", 600, seen=6)
     assert alloc.last_refusal == "admission" and len(alloc) == 100
     assert _save(alloc, "larger", 600, seen=12)  # more frequent than any of them
@@ -400,8 +413,6 @@ def test_wtinylfu_a_rare_victim_does_not_carry_a_tie_past_the_residents() -> Non
     for key in "abcd":
         assert _save(alloc, key, 20, seen=4)
     assert _save(alloc, "rare", 10, seen=1)
-    assert _save(alloc, "filler", 10, seen=4)
-    alloc.drop("filler")  # the pool has let an entry go: every save duels from now on
     assert not _save(alloc, "tied", 30, seen=5)
     assert alloc.last_refusal == "admission"
     assert all(key in alloc for key in ("a", "b", "c", "d", "rare"))
@@ -419,7 +430,6 @@ def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
     for key in "abcd":
         assert _save(alloc, key, 24, seen=4)
     alloc.drop("a")
-    assert policy._filled
     assert _save(alloc, "e", 24, seen=2)  # rarer than b-d: it would lose a duel
     assert "e" in policy.evictable_in(1) and not policy.evictable_in(2)
     assert _save(alloc, "f", 4, seen=2)  # into the last free blocks; no room in main's share
