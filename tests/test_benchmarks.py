@@ -144,6 +144,17 @@ def test_sweep_oracle_goals_count_the_points_the_exact_count_lfu_misses() -> Non
     assert sweep.summarize(never_below_lru, measured)[0].exact_lfu_failing is None
     (check,) = goals.swept(sweep.summarize(video_goal, old), [video_goal])
     assert "exact LFU" not in check.measured
+    # A goal against Belady counts them too, against Belady (0.44 and 0.46 of 0.6:
+    # 0.733 and 0.767, both below 0.92).
+    belady_goal = next(goal for goal in sweep.GOALS if goal.reference == "belady")
+    scans = [
+        dataclasses.replace(
+            result, point=dataclasses.replace(result.point, family="ind-zipf-scans")
+        )
+        for result in measured
+    ]
+    (summary,) = sweep.summarize(belady_goal, scans)
+    assert (summary.failing, summary.exact_lfu_failing) == (2, 2)
 
 
 def test_sweep_measures_a_tiny_grid_with_the_real_policies(tmp_path: Path) -> None:
@@ -202,12 +213,18 @@ def test_goals_compare_each_table_with_its_target() -> None:
             lru=0.5,
             belady=belady,
             oracle=0.6,
+            exact_lfu=0.56,
         )
         for seed, belady in ((101, 0.62), (102, 0.7))
     ]
     (zipf_scans,) = goals.independent(stated, sweep.GOALS)
     assert not zipf_scans.passed and "101: 0.968" in zipf_scans.measured
     assert "102: 0.857" in zipf_scans.measured
+    assert zipf_scans.measured.endswith("; exact LFU 0.800 (101: 0.903, 102: 0.800)")
+    # Points saved before the exact LFU was measured make no claim about it.
+    old = [dataclasses.replace(result, exact_lfu=math.nan) for result in stated]
+    (zipf_scans,) = goals.independent(old, sweep.GOALS)
+    assert "exact LFU" not in zipf_scans.measured and "102: 0.857" in zipf_scans.measured
 
     steps = [
         scheduler_cost.Row(items, 10.0, 11.0, ratio, (ratio, ratio))
