@@ -165,7 +165,8 @@ def _per_seed(points: Sequence[sweep.Measured], ratios: Sequence[float]) -> str:
 
 def swept(summaries: Sequence[sweep.Summary], goals: Sequence[sweep.Goal]) -> list[Check]:
     """Each sweep goal over every point of its families: the worst ratio, where, and how
-    many points miss (for an oracle goal, also how many the exact-count LFU misses)."""
+    many points miss (for a goal against the oracle or Belady, also how many the
+    exact-count LFU misses)."""
     checks = []
     for goal in goals:
         found = [summary for summary in summaries if summary.goal == goal]
