@@ -178,6 +178,9 @@ class _Playback:
     def candidates(self) -> Iterator[str]:
         return iter(self._next(list))
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def on_request(self, key: str) -> None:
         pass
 

@@ -37,6 +37,7 @@ def test_the_dashboard_shows_hits_bytes_copy_time_occupancy_evictions_and_reclai
         "region_used_blocks",
         "region_blocks",
         "evictions_total",
+        "policy_lru_mode",
         "reclaimed_total",
     ):
         assert f"{PREFIX}{family}" in used, family

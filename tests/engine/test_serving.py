@@ -120,6 +120,7 @@ def test_the_openai_server_serves_repeated_images_from_the_tier(
         "vllm:ec_cpu_reclaimed",
         "vllm:ec_cpu_region_used_blocks",
         "vllm:ec_cpu_region_blocks",
+        "vllm:ec_cpu_policy_lru_mode",
     ):
         assert family in tier["families"], sorted(tier["families"])
 

@@ -133,6 +133,19 @@ def test_policy_histories_stay_bounded() -> None:
     assert len(policy._history.counts) <= policy._history.limit
 
 
+def test_policies_report_whether_they_evict_as_plain_lru() -> None:
+    """`stats()`: lru always evicts as plain LRU, s3lfu never; wtinylfu while in its
+    recency mode, and it counts its mode changes."""
+    assert LRUPolicy().stats() == {"policy_lru_mode": 1.0}
+    assert S3LFUPolicy(100).stats() == {"policy_lru_mode": 0.0}
+    policy = WTinyLFUPolicy(100)
+    assert policy.stats() == {"policy_lru_mode": 1.0, "policy_mode_changes": 0.0}
+    policy._set_recency_mode(False)
+    assert policy.stats() == {"policy_lru_mode": 0.0, "policy_mode_changes": 1.0}
+    policy._set_recency_mode(True)
+    assert policy.stats() == {"policy_lru_mode": 1.0, "policy_mode_changes": 2.0}
+
+
 def test_wtinylfu_duel_keeps_frequent_main_entries_against_a_one_off() -> None:
     policy = WTinyLFUPolicy(125, window_fraction=0.01)
     policy._set_recency_mode(False)  # (it starts as LRU)

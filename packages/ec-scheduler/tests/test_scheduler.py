@@ -767,7 +767,9 @@ def test_stats_are_deltas_with_gauges_and_worker_figures(make_scheduler: Schedul
     assert stats.data["region_blocks"] == 64
     assert stats.data["region_used_blocks"] == 8
     assert stats.data["region_entries"] == 1
+    assert stats.data["policy_lru_mode"] == 1.0, "wtinylfu starts evicting as plain LRU"
     assert "hits" not in stats.data, "only counters that moved"
+    assert "policy_mode_changes" not in stats.data, "its mode has not changed"
     assert scheduler.get_ec_connector_stats() is None, "deltas are handed over once"
     meta = StepDriver(scheduler).step([make_request("r2", [Item(H)])]).meta
     assert scheduler.get_ec_connector_stats().data["hits"] == 1  # type: ignore[union-attr]
@@ -808,6 +810,7 @@ def test_aggregated_log_line_of_data_parallel_engines_sums_their_gauges(
     assert figures["region_entries"] == 3, figures
     assert figures["region_blocks"] == 128, figures
     assert figures["region_used_blocks"] == 24, figures  # 3 entries of 8 blocks
+    assert figures["policy_lru_mode"] == 2, figures  # both engines' policies still LRU-like
 
 
 def test_overdue_warnings_are_rate_limited(

@@ -58,6 +58,8 @@ COUNTERS: dict[str, str] = {
     "peer_bytes_served": "Bytes of encoder output other engines read from this engine",
     "peer_requests_denied": "Peer messages dropped: not signed with the shared secret, stale "
     "or malformed",
+    "policy_mode_changes": "Times the eviction policy switched between evicting as plain LRU "
+    "and by request count (wtinylfu's guard)",
 }
 
 GAUGES: dict[str, str] = {
@@ -65,6 +67,8 @@ GAUGES: dict[str, str] = {
     "region_used_blocks": "Blocks of the CPU region holding entries",
     "region_entries": "Entries in the CPU region",
     "region_held_entries": "Entries being written or loaded (not evictable)",
+    "policy_lru_mode": "Engines whose eviction policy evicts as plain LRU now: always with "
+    "lru, never with s3lfu, and while wtinylfu's guard finds plain LRU would serve more",
 }
 
 WORKER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_copy_seconds", "load_copy_seconds")

@@ -51,6 +51,7 @@ def stat_totals(
     totals["region_used_blocks"] = allocator.num_reserved_blocks - allocator.num_free_blocks
     totals["region_entries"] = len(allocator)
     totals["region_held_entries"] = allocator.num_held_entries
+    totals.update(allocator.policy.stats())
     return totals
 
 

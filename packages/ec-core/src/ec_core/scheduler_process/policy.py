@@ -64,6 +64,11 @@ class EvictionPolicy(Protocol):
         this order when it evicts a window to keep a new entry in one run.
         """
 
+    def stats(self) -> dict[str, float]:
+        """The policy's own figures, by their stats names (`ec_core.stats`):
+        `policy_lru_mode` (1.0 while it evicts as plain LRU, else 0.0) and, for
+        a policy that changes mode, the cumulative `policy_mode_changes`."""
+
 
 POLICIES: dict[str, type[LRUPolicy] | type[S3LFUPolicy] | type[WTinyLFUPolicy]] = {
     policy.name: policy for policy in (WTinyLFUPolicy, S3LFUPolicy, LRUPolicy)

@@ -48,3 +48,6 @@ class LRUPolicy:
 
     def candidates(self) -> Iterator[str]:
         return iter(self._order)
+
+    def stats(self) -> dict[str, float]:
+        return {"policy_lru_mode": 1.0}

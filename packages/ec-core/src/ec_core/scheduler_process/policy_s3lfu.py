@@ -166,3 +166,6 @@ class S3LFUPolicy(FirstSightingGate):
         else:
             yield from main
             yield from self._small
+
+    def stats(self) -> dict[str, float]:
+        return {"policy_lru_mode": 0.0}

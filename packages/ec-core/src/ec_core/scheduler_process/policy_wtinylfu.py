@@ -391,6 +391,12 @@ class WTinyLFUPolicy(FirstSightingGate):
             yield from bucket
         yield from self._window
 
+    def stats(self) -> dict[str, float]:
+        return {
+            "policy_lru_mode": 1.0 if self.recency_mode else 0.0,
+            "policy_mode_changes": float(self.mode_changes),
+        }
+
     @property
     def strict_order(self) -> bool:
         """Always: in recency mode the order is LRU's, and LRU's hit ratio
