@@ -48,6 +48,7 @@ from typing import Any
 
 from ectools import metrics_plot, serving
 from ectools.engine import make_images
+from ectools.ports import free_port
 from ectools.tiny_blip2 import REALISTIC, build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ def _serve(
 ) -> tuple[float, dict[str, Outcome]]:
     """Start one server, run the workloads, stop it. With `record`, /metrics is sampled
     every second while they run (`plot`: drawn into that SVG)."""
-    port = serving.free_port()
+    port = free_port()
     template = serving.write_template(work)
     log_path = work / f"{label}.log"
     command = serving.server_command(

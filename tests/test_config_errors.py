@@ -110,7 +110,7 @@ def test_a_secret_in_the_config_or_a_shared_secret_file_is_refused_before_anythi
     import socket
 
     from ectools.peer_secrets import write_secret_file
-    from ectools.serving import free_port
+    from ectools.ports import free_port
 
     port = free_port()
     region = tmp_path / "region"

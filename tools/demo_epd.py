@@ -40,7 +40,8 @@ from typing import Any
 from demo import Ticker
 from ectools import serving
 from ectools.engine import make_images
-from ectools.serving import ask, free_port, tier_metrics
+from ectools.ports import free_port
+from ectools.serving import ask, tier_metrics
 from ectools.tiny_blip2 import HEAVY_VISION, build_tiny_blip2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ from ectools.engine import (
     serving,
 )
 from ectools.families import family, model_dir
-from ectools.serving import free_port
+from ectools.ports import free_port
 from ectools.tiny_qwen3_vl import DEEPSTACK_WIDTH_FACTOR
 
 pytestmark = pytest.mark.engine

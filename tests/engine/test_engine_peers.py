@@ -33,8 +33,8 @@ from ectools.engine import (
     serving,
 )
 from ectools.peer_secrets import secret_keys
+from ectools.ports import free_port
 from ectools.runners import RUNNERS
-from ectools.serving import free_port
 from ectools.tiny_blip2 import TinyBlip2, build_tiny_blip2
 
 pytestmark = pytest.mark.engine

@@ -21,7 +21,8 @@ from ec_core.peer_secrets import RELOAD_CHECK_S
 from ectools import serving
 from ectools.engine import PATIENT_PEERS, make_images
 from ectools.peer_secrets import write_secret_file
-from ectools.serving import ask, free_port
+from ectools.ports import free_port
+from ectools.serving import ask
 from ectools.tiny_blip2 import TinyBlip2
 
 pytestmark = pytest.mark.engine

@@ -17,7 +17,8 @@ import pytest
 
 from ectools import serving
 from ectools.engine import make_images
-from ectools.serving import ask, free_port
+from ectools.ports import free_port
+from ectools.serving import ask
 from ectools.tiny_blip2 import TinyBlip2
 
 pytestmark = pytest.mark.engine

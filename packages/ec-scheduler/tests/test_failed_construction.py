@@ -9,7 +9,6 @@ that error; nothing of the failed scheduler may outlive it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,14 +22,13 @@ from ec_core.region.reservation import RegionReservation
 from ec_scheduler import ECCPUScheduler
 from ectools.configs import make_vllm_config
 from ectools.peer_secrets import secret_keys
+from ectools.ports import free_port
 
 SECRET = "a-test-secret-0123"
 
 
 def _free_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 SCRIPT = """

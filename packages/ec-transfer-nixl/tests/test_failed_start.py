@@ -10,7 +10,6 @@ refusing), the second one is built on the same settings and serves or fetches.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ectools.peer_secrets import secret_keys
+from ectools.ports import free_port
 
 SECRET = "a-test-secret-0123"
 
@@ -74,12 +74,6 @@ print("rebuilt", flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("role", "failure", "expected"),
     [
@@ -99,9 +93,9 @@ def test_a_failed_start_can_be_retried_in_the_same_process(
         **secret_keys(tmp_path / "secret", SECRET),
     }
     if role != "ec_consumer":
-        extra["ec_peer_listen"] = f"127.0.0.1:{_free_port()}"
+        extra["ec_peer_listen"] = f"127.0.0.1:{free_port()}"
     if role != "ec_producer":
-        extra["ec_peers"] = [f"127.0.0.1:{_free_port()}"]
+        extra["ec_peers"] = [f"127.0.0.1:{free_port()}"]
     code = SCRIPT.format(role=role, extra=extra, failure=failure, model=tiny_model_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:

@@ -34,6 +34,7 @@ from ectools.driving import (
     scheduler_output,
 )
 from ectools.peer_secrets import secret_keys, write_secret_file
+from ectools.ports import free_port
 
 WIDTH = 128
 SECRET = "a-test-secret-0123"
@@ -47,12 +48,6 @@ PATIENT = {
 """Peer deadlines for a consumer whose test expects the producer to answer: the
 defaults (1 s to look up) would turn a loaded CI machine's slow reply into an
 `unreachable` fallback. Tests that expect no answer keep the defaults."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def payload(key: str, rows: int, cols: int = WIDTH) -> torch.Tensor:
@@ -155,7 +150,7 @@ def make_engine(tiny_model_dir: str, tmp_path: Path) -> Iterator[Callable[..., E
 def _pair(
     make_engine: Callable[..., Engine], *, producer: dict[str, Any] | None = None, **consumer: Any
 ) -> tuple[Engine, Engine, str]:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer_engine = make_engine("ec_both", ec_peer_listen=address, **(producer or {}))
     consumer_peers = consumer.pop("ec_peers", [address])
     return producer_engine, make_engine("ec_consumer", ec_peers=consumer_peers, **consumer), address
@@ -215,7 +210,7 @@ def test_a_consumer_fetches_what_a_producer_saved_and_loads_it(
 
 
 def test_request_level_handles_work_without_ec_peers(make_engine: Callable[..., Engine]) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_producer", ec_peer_listen=address)
     consumer = make_engine("ec_consumer", **PATIENT)  # a secret, no peers: handles only
     item = Item("img-h", 6)
@@ -302,7 +297,7 @@ def test_a_width_that_is_no_multiple_of_the_embedding_or_other_rows_is_encoded_w
 def _free_ports(count: int) -> int:
     """The first of `count` consecutive free ports on 127.0.0.1."""
     for _ in range(100):
-        first = _free_port()
+        first = free_port()
         with contextlib.ExitStack() as probes:
             try:
                 for port in range(first, first + count):
@@ -468,7 +463,7 @@ def test_finished_requests_leave_nothing_in_the_consumers_fetch_index(
         consumer.scheduler.request_finished(request)
     assert source._fetching == {} and source._finished == []  # type: ignore[attr-defined]
     # A request finished (aborted) while its fetch still runs: kept until it is done.
-    unreachable = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    unreachable = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{free_port()}"])
     source = unreachable.scheduler.remote
     assert source is not None
     aborted = make_request("aborted", [Item("img-x", 3)])
@@ -633,7 +628,7 @@ def test_a_wrong_secret_gets_nothing(
 def test_an_incompatible_peer_is_not_read(
     make_engine: Callable[..., Engine], ec_log: pytest.LogCaptureFixture
 ) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address, dtype="bfloat16")
     consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     producer.save(Item("img-i", 4))
@@ -653,7 +648,7 @@ def test_an_unreachable_peer_fails_fast_and_is_left_alone(
     """Fast: given up at the lookup deadline (the default 1 s), not the fetch deadline,
     which is set far past `wait_available`'s WAIT_S bound so waiting for it would fail
     the test (no wall-clock threshold of its own). Left alone: marked down, said once."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     consumer = make_engine(
         "ec_consumer",
         ec_peers=[address],
@@ -676,7 +671,7 @@ def test_a_fetcher_thread_that_dies_on_a_bug_leaves_no_request_waiting(
     """An unexpected error in the fetcher thread (a bug: a peer's faults are handled
     where they happen) fails its open fetches and stops fetching: the request that
     was waiting goes on, later ones do not wait at all, and the error is logged."""
-    consumer = make_engine("ec_both", ec_peers=[f"127.0.0.1:{_free_port()}"], **PATIENT)
+    consumer = make_engine("ec_both", ec_peers=[f"127.0.0.1:{free_port()}"], **PATIENT)
     fetcher = _fetcher(consumer)
     first = make_request("r1", [Item("img-1", 4)])
     with _between_passes(fetcher):
@@ -701,7 +696,7 @@ def test_a_fetcher_thread_that_dies_on_a_bug_leaves_no_request_waiting(
 def test_a_step_that_ends_after_the_consumer_shut_down_does_not_raise(
     make_engine: Callable[..., Engine],
 ) -> None:
-    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{free_port()}"])
     assert not consumer.scheduler.ensure_cache_available(make_request("r", [Item("i", 4)]), 0)
     consumer.scheduler.shutdown()  # the fetcher stops with the request's task unread
     consumer.scheduler.build_connector_meta(scheduler_output(0))  # the step ends: no raise
@@ -710,7 +705,7 @@ def test_a_step_that_ends_after_the_consumer_shut_down_does_not_raise(
 def test_missing_items_and_a_full_consumer_region_fall_back(
     make_engine: Callable[..., Engine],
 ) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
     consumer = make_engine("ec_consumer", ec_peers=[address], blocks=8, **PATIENT)
     producer.save(Item("big", 16))
@@ -730,7 +725,7 @@ def test_an_item_still_being_saved_is_fetched_once_ready(
 ) -> None:
     """The producer answers "saving" until its save lands; the consumer keeps asking
     (within a lookup timeout long enough for the test) and then fetches it."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
     consumer = make_engine(
         "ec_consumer",
@@ -764,7 +759,7 @@ def test_a_peer_still_saving_at_the_lookup_deadline_is_not_taken_for_down(
     The deadline is moved to now once the consumer has heard "saving": a lookup
     timeout short enough to pass during the test would also make a reply slowed
     by a loaded machine miss it (an `unreachable` fallback, the peer marked down)."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
     consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     item = Item("img-slow", 4)
@@ -793,7 +788,7 @@ def test_a_request_that_waited_on_a_failed_fetch_is_encoded_not_fetched_again(
     r1's fetch asks for it and r2 waits for that fetch. Once it fails, both encode
     the item here; r2 must not start a fetch of its own and wait a whole lookup
     timeout more (with n such requests the last waited n timeouts)."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address)
     consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
     item = Item("img-stuck", 4)
@@ -819,7 +814,7 @@ def test_an_encode_only_producer_whose_reports_vllm_drops_still_serves(
 ) -> None:
     """vLLM 0.32's V1 runner drops an ec_producer's worker reports; they arrive on
     the side channel, so its saves become ready and consumers fetch them."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_producer", ec_peer_listen=address)
     producer.drop_reports = True
     consumer = make_engine("ec_consumer", ec_peers=[address], **PATIENT)
@@ -885,7 +880,7 @@ def test_a_peer_thread_that_does_not_stop_keeps_the_region_mapped(
     """A thread that did not stop in time may still have NIXL READ into (or serve from)
     the region: unmapping it then could crash the process, so the mapping stays until
     the process exits, and the operator is told."""
-    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{free_port()}"])
     source = consumer.scheduler.remote
     fetcher = _fetcher(consumer)
     stop = fetcher.stop
@@ -907,7 +902,7 @@ def test_a_read_nixl_never_released_keeps_the_region_mapped(
 ) -> None:
     """A READ still quarantined when the fetcher stops (NIXL would not let go of it) may
     still write into the region: the source's shutdown leaves the mapping alone."""
-    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{_free_port()}"])
+    consumer = make_engine("ec_consumer", ec_peers=[f"127.0.0.1:{free_port()}"])
     source = consumer.scheduler.remote
     fetcher = _fetcher(consumer)
     monkeypatch.setattr(type(fetcher), "quarantined", property(lambda self: 1))
@@ -953,7 +948,7 @@ def test_a_request_aborted_or_failed_on_the_producer_pins_nothing_for_a_handle(
     producer's new encoder outputs find no room to be saved."""
     from vllm.v1.request import RequestStatus
 
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_producer", blocks=16, ec_peer_listen=address, **HANDLE_LEASES)
     items = [Item(f"img-aborted-{i}", 4) for i in range(4)]  # the whole region
     producer.save(*items)
@@ -1038,7 +1033,7 @@ def test_an_item_without_input_whose_fetch_fails_fails_its_request(
     fail), never deferred for ever. Nothing stays reserved or tracked; the next
     request with its input is encoded as usual."""
     producer_settings, consumer_settings, rows, before = _FAILED_FETCHES[cause]
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     producer = make_engine("ec_both", ec_peer_listen=address, **producer_settings)
     consumer = make_engine("ec_consumer", ec_peers=[address], **consumer_settings)
     item = Item(f"img-{cause}", rows)
@@ -1119,7 +1114,7 @@ def test_three_engines_roll_to_a_new_secret_in_place_without_a_failed_fetch(
     save's request asks the peers first: "missing", one per save, is their answer,
     authentic under every phase.)"""
     a, b = "rolling-secret-A-0001", "rolling-secret-B-0002"
-    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(3)]
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     files = [write_secret_file(tmp_path / f"secret-file-{i}", a) for i in range(3)]
     engines = [
         make_engine(

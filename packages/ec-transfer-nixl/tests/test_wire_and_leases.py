@@ -37,6 +37,7 @@ from ec_transfer_nixl.wire import (
     overrides_text,
     seal,
 )
+from ectools.ports import free_port
 
 SECRET = b"0123456789abcdef"
 
@@ -350,11 +351,7 @@ def _answer(dealer: Any) -> bytes:
 def _serving(allocator_keys: tuple[str, ...] = ("a",)) -> tuple[Any, Any, BlockAllocator, Any]:
     """A started producer's server over a real ROUTER socket, with a stand-in NIXL agent
     (`agent.fail` makes its next `notifications` raise), and a DEALER connected to it."""
-    import socket as socketlib
-
-    with socketlib.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     allocator, local = _ready_entries(allocator_keys)
     agent = SimpleNamespace(name="producer", metadata=b"md", fail=False)
 

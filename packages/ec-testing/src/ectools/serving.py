@@ -17,9 +17,7 @@ import contextlib
 import io
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,35 +35,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 """BLIP-2 has no chat template; this one keeps the text (vLLM places the image)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing is bound to now, taken below the kernel's
-    ephemeral range where there is room. A port from that range (what binding port 0
-    gives) can be handed to any process's next port-0 or outgoing socket before the
-    test's server binds it: a CI run lost a peer test to "Address already in use" so,
-    its port taken by the other engine's own sockets."""
-    rng = random.SystemRandom()
-    low = _ephemeral_low()
-    for _ in range(64 if low > 11_024 else 0):
-        port = rng.randrange(low - 10_000, low)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use (or lingering): try another
-            return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux); 0 where unknown."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def write_template(directory: Path) -> Path:
