@@ -220,7 +220,7 @@ def test_goals_compare_each_table_with_its_target() -> None:
     (zipf_scans,) = goals.independent(stated, sweep.GOALS)
     assert not zipf_scans.passed and "101: 0.968" in zipf_scans.measured
     assert "102: 0.857" in zipf_scans.measured
-    assert zipf_scans.measured.endswith("; exact LFU 0.800 (101: 0.903, 102: 0.800)")
+    assert zipf_scans.measured.endswith("; exact LFU 0.800 x Belady (101: 0.903, 102: 0.800)")
     # Points saved before the exact LFU was measured make no claim about it.
     old = [dataclasses.replace(result, exact_lfu=math.nan) for result in stated]
     (zipf_scans,) = goals.independent(old, sweep.GOALS)

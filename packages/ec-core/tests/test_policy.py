@@ -414,7 +414,7 @@ def test_wtinylfu_a_large_item_is_weighed_against_every_entry_it_would_evict() -
 
 
 def test_wtinylfu_a_rare_victim_does_not_carry_a_tie_past_the_residents() -> None:
-    """A full pool: four entries asked for 4 times and one asked for once. A
+    """A pool nearly full: four entries asked for 4 times and one asked for once. A
     30-block item asked for 5 times (its count less the margin ties the four)
     would evict the rare entry and 10 blocks of a frequent one: it is refused,
     although it beats the blocks' mean (a mean would let it in, and on a loop
@@ -434,9 +434,9 @@ def test_wtinylfu_a_rare_victim_does_not_carry_a_tie_past_the_residents() -> Non
 
 
 def test_wtinylfu_a_candidate_enters_main_while_main_has_room() -> None:
-    """Once the pool has been full, a window candidate still enters main without
-    a duel while main's share of the pool has room for it: it is not parked in
-    outgoing (where the next save would evict it) beside room main could give it."""
+    """A window candidate enters main without a duel while main's share of the pool
+    has room for it: it is not parked in outgoing (where the next save would evict
+    it) beside room main could give it."""
     policy = WTinyLFUPolicy(100, window_fraction=0.01)
     policy._set_recency_mode(False)
     alloc = BlockAllocator(100, policy)

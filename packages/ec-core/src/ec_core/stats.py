@@ -68,7 +68,8 @@ GAUGES: dict[str, str] = {
     "region_entries": "Entries in the CPU region",
     "region_held_entries": "Entries being written or loaded (not evictable)",
     "policy_lru_mode": "Engines whose eviction policy evicts as plain LRU now: always with "
-    "lru, never with s3lfu, and while wtinylfu's guard finds plain LRU would serve more",
+    "lru, never with s3lfu; wtinylfu from its start until its guard finds evicting by "
+    "request count would serve more, and again whenever it finds plain LRU would",
 }
 
 WORKER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_copy_seconds", "load_copy_seconds")
