@@ -119,9 +119,11 @@ def test_a_region_larger_than_its_directory_stops_the_engine_clearly(
 def test_sigkill_in_the_middle_of_a_workload(
     model_dir: str, baseline: list[list[list[int]]], tmp_path: Path
 ) -> None:
-    spec = connector_spec(model_dir, tmp_path, announce_passes=True, passes=TEST_PASSES * 3)
-    # Killed at once: the second pass (loads and saves) has just begun.
-    stale = kill_at(spec, "RUNNING 1")
+    # Killed in the middle of the second pass: the engine (in-process, so all of it)
+    # waits after that pass's first step, its first loads and saves under way and the
+    # other requests queued.
+    spec = connector_spec(model_dir, tmp_path, multiprocess=False, pause_in_pass=1)
+    stale = kill_at(spec, "PAUSED 1")
     assert len(stale) == 1
     assert region_files(tmp_path) == stale, "SIGKILL leaves the file behind"
     result = run_in_subprocess(connector_spec(model_dir, tmp_path, multiprocess=False))

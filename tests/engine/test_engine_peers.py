@@ -201,15 +201,22 @@ def test_a_producer_killed_before_or_during_the_fetches(
     consumer = replace(
         _spec(model_dir, tmp_path / "c2", "ec_consumer", ec_peers=[address]),
         multiprocess=False,
-        announce_passes=True,
+        pause_in_pass=0,
         passes=[TEST_PASSES[0], TEST_PASSES[0]],
     )
     with serving(replace(spec, extra={**spec.extra})) as (proc, _):
-        running = launch(consumer, stderr=subprocess.DEVNULL, start_new_session=True)
-        assert running.stdout is not None
+        running = launch(
+            consumer, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE, start_new_session=True
+        )
+        assert running.stdout is not None and running.stdin is not None
         for line in running.stdout:
-            if line.startswith("RUNNING 0"):
-                os.killpg(proc.pid, signal.SIGKILL)  # mid-fetch: it is asking and reading now
+            if line.startswith("PAUSED 0"):
+                # The consumer waits after its first step, its requests admitted and
+                # not yet served: the producer dies in the middle of the consumer's
+                # fetches, then the consumer goes on.
+                os.killpg(proc.pid, signal.SIGKILL)
+                running.stdin.write("\n")
+                running.stdin.flush()
                 break
         out, _ = finish(running)
     assert running.returncode == 0

@@ -65,8 +65,15 @@ class EngineSpec:
     """Overwrite the region's blocks with noise after this pass (proves loads are used)."""
     hold_after_pass: int | None = None
     """Print `READY` and sleep after this pass (for kill tests)."""
-    announce_passes: bool = False
-    """Print `RUNNING <n>` before each pass (for kill-during-work tests)."""
+    pause_in_pass: int | None = None
+    """Run this pass through the engine's step loop (what `generate` runs) and, after
+    its first step, print `PAUSED <n>` and wait for a line on stdin (end of input
+    goes on at once) before the next. With the engine core in-process
+    (`multiprocess=False`) the whole engine waits there, in the middle of the pass:
+    its requests admitted, the first ones scheduled (their loads and saves issued),
+    the rest waiting. With a separate engine core only the front end waits; the core
+    runs the admitted requests to the end. A test that kills an engine or its peer at
+    `PAUSED` acts at that point whatever the machine's speed."""
     metrics: bool = False
     """Enable vLLM's stats and return the connector's Prometheus metrics."""
     tensor_parallel_size: int = 1
@@ -209,6 +216,27 @@ def _scheduler_counters(llm: Any) -> dict[str, Any] | None:
     return state
 
 
+def _paused_pass(llm: Any, number: int, prompts: list[Any], params: list[Any]) -> list[Any]:
+    """Pass `number` through `llm`'s engine step by step (the loop `LLM.generate` runs,
+    so the same outputs in the same order), waiting on stdin after the first step."""
+    engine = llm.llm_engine
+    ids = [f"pass{number}-{index}" for index in range(len(prompts))]
+    for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):
+        engine.add_request(request_id, prompt, sampling)
+    finished: dict[str, Any] = {}
+    paused = False
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if not paused:
+            paused = True
+            waiting = len(ids) - len(finished)
+            print(f"PAUSED {number}: {waiting} of {len(ids)} requests unfinished", flush=True)
+            sys.stdin.readline()
+    return [finished[request_id] for request_id in ids]
+
+
 def run(spec: EngineSpec) -> dict[str, Any]:
     """Start the engine, run every pass, shut it down; return what happened."""
     if not spec.multiprocess:
@@ -284,8 +312,6 @@ def run(spec: EngineSpec) -> dict[str, Any]:
             prompts = [{**prompt, "cache_salt": salt} for prompt in prompts]
         encoded_before = encoded[0] if encoded is not None else 0
         hits_before = scheduler.counters.hits if scheduler is not None else 0
-        if spec.announce_passes:
-            print(f"RUNNING {number}", flush=True)
         began = time.perf_counter()
         per_request = [
             SamplingParams(
@@ -298,7 +324,10 @@ def run(spec: EngineSpec) -> dict[str, Any]:
             else sampling
             for i in indices
         ]
-        outputs = llm.generate(prompts, per_request, use_tqdm=False)
+        if spec.pause_in_pass == number:
+            outputs = _paused_pass(llm, number, prompts, per_request)
+        else:
+            outputs = llm.generate(prompts, per_request, use_tqdm=False)
         seconds.append(round(time.perf_counter() - began, 3))
         passes.append([list(out.outputs[0].token_ids) for out in outputs])
         handles.append([getattr(out, "ec_transfer_params", None) for out in outputs])
@@ -372,7 +401,10 @@ def run_python(code: str, runner: str | None = None) -> subprocess.CompletedProc
 def launch(spec: EngineSpec, **popen: Any) -> subprocess.Popen[str]:
     """Start `python -m ectools.engine SPEC` (stdout piped, text mode); with
     `start_new_session=True` in a process group of its own, which `finish` and
-    `_kill_group` stop with every process the engine started."""
+    `_kill_group` stop with every process the engine started. Its stdin is
+    /dev/null unless `popen` says otherwise (a `pause_in_pass` engine then goes on
+    at once; one that should wait there needs `stdin=subprocess.PIPE`)."""
+    popen.setdefault("stdin", subprocess.DEVNULL)
     return subprocess.Popen(
         [sys.executable, "-m", "ectools.engine", spec_json(spec)],
         stdout=subprocess.PIPE,
@@ -402,8 +434,9 @@ def _start_until(
 ) -> tuple[subprocess.Popen[str], str]:
     """Start an engine in its own process group; return once it printed a line
     starting with `line_prefix` (and that line). With a `log` file, its stderr and
-    the stdout lines before that one are written there."""
-    proc = launch(spec, stderr=log, start_new_session=True)
+    the stdout lines before that one are written there. Its stdin is a pipe that
+    nothing is written to: an engine at `PAUSED` (`pause_in_pass`) stays there."""
+    proc = launch(spec, stderr=log, stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith(line_prefix):
@@ -422,13 +455,19 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(60)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    for stream in (proc.stdout, proc.stdin):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
     """Start an engine, SIGKILL its whole process group once it prints a line
     starting with `line_prefix`, and return the region files it had mapped.
+
+    The line must be one the engine waits after (`READY` of `hold_after_pass`,
+    `PAUSED` of `pause_in_pass`): after a mere progress mark the engine may have
+    finished and removed its file before this reads it.
 
     Returns only after every process of the group has let go of them, so the
     files listed are exactly what a killed engine leaves behind. An engine that
