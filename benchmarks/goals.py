@@ -22,7 +22,6 @@ from text: each check reads the rows the tables' functions hand back
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -141,10 +140,8 @@ def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal])
                 + _per_seed(points, ratios)
                 + ")"
             )
-            if goal.reference in sweep.COUNTING_REFERENCES and not any(
-                math.isnan(result.exact_lfu) for result in points
-            ):
-                exact = [result.ratio(goal.reference, "exact_lfu") for result in points]
+            exact = sweep.exact_lfu_ratios(goal.reference, points)
+            if exact is not None:
                 measured_line += (
                     f"; exact LFU {min(exact):.3f} x {sweep.REFERENCES[goal.reference]} "
                     f"({_per_seed(points, exact)})"

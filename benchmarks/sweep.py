@@ -220,6 +220,15 @@ it misses too, counting requests alone does not reach the goal (against plain LR
 would say nothing about the goal's reach)."""
 
 
+def exact_lfu_ratios(reference: str, measured: Sequence[Measured]) -> list[float] | None:
+    """The exact-count LFU's ratio to `reference` at each point, where that says
+    something: None for a reference outside `COUNTING_REFERENCES`, or when a point
+    comes from a file saved before the exact-count LFU was measured."""
+    if reference not in COUNTING_REFERENCES or any(math.isnan(r.exact_lfu) for r in measured):
+        return None
+    return [result.ratio(reference, "exact_lfu") for result in measured]
+
+
 @dataclass(frozen=True)
 class Goal:
     """ours >= `threshold` x `reference` at every point of `families` (None: every family)."""
@@ -278,11 +287,10 @@ def summarize(goal: Goal, measured: Iterable[Measured]) -> list[Summary]:
     for family, results in by_family.items():
         ratios = [result.ratio(goal.reference) for result in results]
         worst = min(range(len(results)), key=lambda index: (ratios[index], results[index].point))
+        exact_ratios = exact_lfu_ratios(goal.reference, results)
         exact = None
-        if goal.reference in COUNTING_REFERENCES and not any(
-            math.isnan(r.exact_lfu) for r in results
-        ):
-            exact = sum(1 for r in results if r.ratio(goal.reference, "exact_lfu") < goal.threshold)
+        if exact_ratios is not None:
+            exact = sum(1 for ratio in exact_ratios if ratio < goal.threshold)
         summaries.append(
             Summary(
                 goal,

@@ -38,5 +38,12 @@ class FirstSightingGate:
             self._payoff(paid_off)
 
     def _payoff(self, paid_off: bool) -> None:
-        target = 1.0 if paid_off else 0.0
-        self.first_sighting_payoff += self.ema_weight * (target - self.first_sighting_payoff)
+        self.first_sighting_payoff = payoff_after(
+            self.first_sighting_payoff, paid_off, self.ema_weight
+        )
+
+
+def payoff_after(average: float, paid_off: bool, weight: float) -> float:
+    """A payoff average after one more trial: the exponential moving average, of
+    weight `weight`, of outcomes 1.0 (the save was hit before it left) and 0.0."""
+    return average + weight * ((1.0 if paid_off else 0.0) - average)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from ec_core.policy_names import WTINYLFU
-from ec_core.scheduler_process.first_sightings import FirstSightingGate
+from ec_core.scheduler_process.first_sightings import FirstSightingGate, payoff_after
 from ec_core.scheduler_process.frequency_sketch import FrequencySketch
 from ec_core.scheduler_process.shadows import Ghosts, ShadowLRU, ShadowTinyLFU
 
@@ -296,8 +296,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         (the twin of `_trial_outcome` for first sightings)."""
         if key in self._repeat_trial:
             self._repeat_trial.discard(key)
-            target = 1.0 if paid_off else 0.0
-            self.repeat_payoff += self.ema_weight * (target - self.repeat_payoff)
+            self.repeat_payoff = payoff_after(self.repeat_payoff, paid_off, self.ema_weight)
 
     def _outranks_displaced(self, estimate: int, size: int) -> bool:
         """Whether an item of `size` blocks and request count `estimate` beats
