@@ -1045,12 +1045,9 @@ def test_a_streaming_sessions_next_chunk_fetches_its_new_items() -> None:
     across chunks, and a resumed chunk carries the media it added. Its first chunk's
     fetch is done; the next chunk's new item, which the producer holds, must be
     fetched like a new request's, not encoded here because the id's fetch is over."""
-    import time
-
     machine = FetchMachine()
     fetcher, peer = machine.fetcher, PEERS[0]
     source = _source_over(fetcher, machine.local)
-    _now[0] = time.monotonic()  # the source's deadlines are on the monotonic clock
     session = _request("s1")
     session.mm_features = ["image 0"]
     assert source.wants(session, [Wanted("k0", 1, COLS)])
@@ -1085,12 +1082,9 @@ def test_requests_that_waited_on_a_fetch_that_failed_go_on_instead_of_fetching_a
     fails, and all three encode k0 here. r2 and r3 must not start a fetch of their
     own and wait a second lookup timeout (then r3 a third: the n-th of n such
     requests waited n timeouts)."""
-    import time
-
     machine = FetchMachine()
     fetcher, peer = machine.fetcher, PEERS[0]
     source = _source_over(fetcher, machine.local)
-    _now[0] = time.monotonic()  # the source's deadlines are on the monotonic clock
     k0 = Wanted("k0", 1, COLS)
     requests = [_request(f"r{i}") for i in (1, 2, 3)]
     assert all(source.wants(request, [k0]) for request in requests), "k0 is on its way"

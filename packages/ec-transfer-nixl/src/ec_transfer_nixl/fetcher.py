@@ -175,6 +175,12 @@ class Fetcher:
             raise self._error
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """The clock this fetcher reads (`time.monotonic` unless a test gave another):
+        a task's deadlines are times on it."""
+        return self._clock
+
+    @property
     def running(self) -> bool:
         """Whether the thread still takes tasks on (False once it stopped, asked to or not)."""
         return self._thread.is_alive() and not self._stop.is_set()

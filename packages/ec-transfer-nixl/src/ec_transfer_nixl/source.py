@@ -194,7 +194,7 @@ class NixlRemoteSource:
             # Its own fetch is asked once; it also waits for the items other requests'
             # fetches bring (as on the first call), or it would encode them meanwhile.
             return not task.done or self._brought_by_others(missing, task)
-        now = time.monotonic()
+        now = self.fetcher.clock()  # the deadlines below are read on the fetcher's clock
         waits = False  # on an item another request's fetch is bringing
         items: dict[str, ItemFetch] = {}
         for wanted in missing:
@@ -340,7 +340,8 @@ class NixlRemoteSource:
     def _note_failure(self, key: str, cause: str) -> None:
         """Fetcher thread: remember items no peer has, so they are not asked again at once."""
         if cause in NEGATIVE_CAUSES:
-            self._negative[key] = time.monotonic() + NEGATIVE_TTL_S
+            clock = self.fetcher.clock if self.fetcher is not None else time.monotonic
+            self._negative[key] = clock() + NEGATIVE_TTL_S
             while len(self._negative) > NEGATIVE_MAX:
                 self._negative.popitem(last=False)
 
