@@ -46,6 +46,34 @@ def test_stop_ends_the_group_of_a_server_whose_leader_already_exited() -> None:
             os.kill(child, signal.SIGKILL)
 
 
+def test_stop_lets_the_whole_group_finish_its_shutdown(tmp_path: Path) -> None:
+    """The leader has exited; the process it left takes 0.5 s after SIGTERM to clean
+    up (as an engine core's worker removes its region file) and gets that time."""
+    marker = tmp_path / "region"
+    marker.touch()
+    cleanup = (
+        f"trap 'sleep 0.5; rm -f {marker}; exit 0' TERM; echo trapped; while :; do sleep 0.1; done"
+    )
+    leader = subprocess.Popen(
+        ["bash", "-c", f'(bash -c "{cleanup}") & echo $!'],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    with leader.stdout:
+        child = int(leader.stdout.readline())
+        assert leader.stdout.readline() == "trapped\n"  # its handler is in place
+    leader.wait(10)
+    try:
+        serving.stop([leader])
+        assert not marker.exists(), "SIGKILLed before it had cleaned up"
+        assert _gone(child, 0)
+    finally:
+        if not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)
+
+
 SCRIPT = """
 import subprocess, sys, time
 from ectools import serving

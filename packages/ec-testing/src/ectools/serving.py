@@ -97,9 +97,17 @@ def server_command(
     return command
 
 
+SHUTDOWN_GRACE_S = 60
+"""How long a server's processes get to shut down, vLLM's own wait for its engine core
+and workers included, before they are SIGKILLed (vLLM's default, 5 s, can pass on a
+loaded machine before a worker has removed its region file)."""
+
+
 def start_server(command: list[str], log: Any) -> subprocess.Popen[bytes]:
+    """Start a server in a session (and process group) of its own; `stop` ends it."""
     env = engine_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_GRACE_S))
     return subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
@@ -155,17 +163,36 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each server's process group, SIGKILL what is left of it after 60 s.
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (a zombie, which holds no
+    memory, file or lock any more, does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # it ended while we looked
+        state, _parent, group = text[text.rfind(")") + 2 :].split()[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
-    The group is signalled even when its leader (the API server) has already
-    exited: its engine core, in the same group, may not have.
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each server's process group and wait until every process of it has
+    ended; SIGKILL what is left of it after `SHUTDOWN_GRACE_S`.
+
+    The whole group is waited for, not only its leader (the API server): its engine
+    core and workers, in the same group, may still be shutting down (a worker
+    removes its region file then) when the leader has exited.
     """
     for proc in procs:
         _signal_group(proc, signal.SIGTERM)
     for proc in procs:
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(60)
+            proc.wait(SHUTDOWN_GRACE_S)
+        while _group_running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         _signal_group(proc, signal.SIGKILL)
         proc.wait(30)
 
