@@ -385,16 +385,10 @@ def test_the_ec_both_engines_of_a_data_parallel_deployment_share_one_peer_list(
     assert _fallbacks(engines[1]) == {}
 
 
-def _free_port6() -> int:
-    with socket.socket(socket.AF_INET6) as probe:
-        probe.bind(("::1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_peers_and_handles_work_over_ipv6_loopback(make_engine: Callable[..., Engine]) -> None:
     """An IPv6 literal was accepted by the settings but never reached: the server
     bound, and the fetcher connected, to `tcp://::1:PORT`, which ZeroMQ cannot read."""
-    address = f"[::1]:{_free_port6()}"
+    address = f"[::1]:{free_port('::1')}"
     producer = make_engine(
         "ec_both", ec_peer_listen=address, ec_peer_handle_lease_s=WAIT_S, **PATIENT
     )
