@@ -208,6 +208,9 @@ class PrefaultGate:
 def prefault_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[PrefaultGate]:
     the_gate = PrefaultGate(hold_at=SYNC + CHUNK)  # the second background chunk waits
     monkeypatch.setattr(page_reserver, "_populate_write_address", the_gate)
+    # cleanup() waits for the held chunk until the test releases it, however slow the
+    # machine (a test of the give-up path sets its own, shorter, wait).
+    monkeypatch.setattr(page_reserver, "STOP_TIMEOUT_S", DEADLINE_S)
     yield the_gate
     the_gate.release.set()
 
