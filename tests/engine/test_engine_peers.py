@@ -205,6 +205,9 @@ def test_a_producer_killed_before_or_during_the_fetches(
         passes=[TEST_PASSES[0], TEST_PASSES[0]],
     )
     with serving(replace(spec, extra={**spec.extra})) as (proc, _):
+        # Frozen first, so whatever the machine's speed the consumer's lookups are
+        # still unanswered when the producer dies.
+        os.killpg(proc.pid, signal.SIGSTOP)
         running = launch(
             consumer, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE, start_new_session=True
         )
@@ -212,8 +215,8 @@ def test_a_producer_killed_before_or_during_the_fetches(
         for line in running.stdout:
             if line.startswith("PAUSED 0"):
                 # The consumer waits after its first step, its requests admitted and
-                # not yet served: the producer dies in the middle of the consumer's
-                # fetches, then the consumer goes on.
+                # waiting on their lookups: the producer dies in the middle of the
+                # consumer's fetches, then the consumer goes on.
                 os.killpg(proc.pid, signal.SIGKILL)
                 running.stdin.write("\n")
                 running.stdin.flush()
@@ -222,6 +225,7 @@ def test_a_producer_killed_before_or_during_the_fetches(
     assert running.returncode == 0
     result = json.loads(out.splitlines()[-1][len("RESULT ") :])
     assert result["passes"] == [baseline[0], baseline[0]]
+    assert result["encoded_per_pass"][0] == 10, "the producer, frozen then killed, served none"
     assert result["counters"]["held_entries"] == 0 and result["counters"]["in_flight"] == 0
     assert region_files(tmp_path / "c2") == []
 
