@@ -17,6 +17,7 @@ import pytest
 
 from ectools.engine import (
     TEST_PASSES,
+    assert_no_region_left,
     connector_spec,
     kill_at,
     region_files,
@@ -37,11 +38,7 @@ def test_outputs_are_token_identical_with_the_one_connector_name(
     result = run_in_subprocess(spec)
     assert result["passes"] == baseline
     assert len(result["region_files_while_running"]) == 1
-    # The log's tail says how the engine ended, should the file be left.
-    assert region_files(tmp_path) == [], (
-        f"a clean shutdown must remove the region file; the engine's log ends:\n"
-        f"{result['log'][-4000:]}"
-    )
+    assert_no_region_left(tmp_path, result["log"])
     startup = re.findall(
         r"EC CPU tier: connector=ECCPUTierConnector role=ec_both "
         r"backend=CpuECCPUWorker policy=wtinylfu region=(\S+) size=\S+ \S+ "
