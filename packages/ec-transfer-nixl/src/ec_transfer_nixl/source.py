@@ -339,9 +339,9 @@ class NixlRemoteSource:
 
     def _note_failure(self, key: str, cause: str) -> None:
         """Fetcher thread: remember items no peer has, so they are not asked again at once."""
+        assert self.fetcher is not None  # its only caller: the fetcher's `on_failed`
         if cause in NEGATIVE_CAUSES:
-            clock = self.fetcher.clock if self.fetcher is not None else time.monotonic
-            self._negative[key] = clock() + NEGATIVE_TTL_S
+            self._negative[key] = self.fetcher.clock() + NEGATIVE_TTL_S
             while len(self._negative) > NEGATIVE_MAX:
                 self._negative.popitem(last=False)
 
