@@ -18,11 +18,8 @@ def _gone(pid: int, within_s: float = 60.0) -> bool:
     `within_s` (CI slack: a killed process normally goes within milliseconds)."""
     deadline = time.monotonic() + within_s
     while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state == "Z":
+        found = serving.process_state(pid)
+        if found is None or found[0] == "Z":
             return True
         if time.monotonic() > deadline:
             return False

@@ -163,16 +163,26 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """The state letter (`R`, `S`, `Z`, ...) and process group of process `pid`,
+    from `/proc/<pid>/stat`; None when there is no such process (any more)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no such process, or it ended while we looked
+        return None
+    # The command name, in parentheses, may hold spaces and parentheses itself.
+    state, _parent, group = text[text.rfind(")") + 2 :].split()[:3]
+    return state, int(group)
+
+
 def _group_running(pgid: int) -> bool:
     """Whether a process of group `pgid` is still running (a zombie, which holds no
     memory, file or lock any more, does not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue  # it ended while we looked
-        state, _parent, group = text[text.rfind(")") + 2 :].split()[:3]
-        if int(group) == pgid and state != "Z":
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        found = process_state(int(entry.name))
+        if found is not None and found[1] == pgid and found[0] != "Z":
             return True
     return False
 
