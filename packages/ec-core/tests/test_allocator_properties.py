@@ -8,8 +8,8 @@ unpinned; a refused `alloc` evicted nothing; the policy's candidates are
 exactly the evictable entries, each once; and the policy's per-key state
 (ghosts, trials, refused lists, shadows, the sketch) stays within its bounds.
 After each successful `alloc`: while the order was strict (LRU, W-TinyLFU in
-recency mode) the victims were the policy's first ones or a window costing no
-more; and a split entry has no more runs than the free space required. The
+recency mode) the victims were among the policy's first ones (all of them,
+or a window of some of them); and a split entry has no more runs than the free space required. The
 phased workload alternates recency- and frequency-friendly traffic so that
 W-TinyLFU changes mode several times along the way.
 """
@@ -97,21 +97,19 @@ class Harness:
         return entry
 
     def _check_strict(self, order: list[str], victims: list[str], entry: Entry) -> None:
-        """A strict order costs the policy's first victims, or a window costing no more."""
-        if set(victims) == set(order[: len(victims)]):
-            return
-        rank = {key: i for i, key in enumerate(order[:32])}
-        blocks = {key: self.alloc_blocks[key] for key in order}
-        cost = sum(blocks[v] * (1 + rank.get(v, 64)) for v in victims)
-        assert len(entry.runs) == 1, "a window was evicted, yet the entry is split"
+        """A strict order costs only the policy's first victims (the shortest
+        prefix of its order that frees enough blocks): all of them, or a window
+        made of some of them, which then holds the entry in one run."""
         needed = entry.num_blocks - self.free_before
-        prefix = 0
-        for i, key in enumerate(order):
-            prefix += blocks[key] * (1 + i)
-            needed -= blocks[key]
+        prefix: list[str] = []
+        for key in order:
             if needed <= 0:
                 break
-        assert cost <= prefix, (victims, order, cost, prefix)
+            prefix.append(key)
+            needed -= self.alloc_blocks[key]
+        assert set(victims) <= set(prefix), (victims, prefix, order)
+        if set(victims) != set(prefix):
+            assert len(entry.runs) == 1, "a window was evicted, yet the entry is split"
 
     def _check_fewest_runs(self, entry: Entry) -> None:
         """The entry's runs are as few as the free space (before it) allowed."""

@@ -13,9 +13,10 @@ evicts a cheap *window* of address-adjacent evictable entries — weighed by
 their rank in the policy's victim order — rather than the policy's first
 victims wherever they lie. While the policy says its order must be kept
 exactly (`EvictionPolicy.strict_order`: plain LRU, W-TinyLFU in recency
-mode), a window is taken only when it costs no more by that weighing than
-the policy's own first victims; otherwise those victims go and the new entry
-takes the freed space in as few runs as it can (one descriptor per run).
+mode), a window may hold only the victims the policy names for this
+allocation, and nobody is evicted while the free blocks suffice; otherwise
+those victims go and the new entry takes the freed space in as few runs as it
+can (one descriptor per run).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from ec_core.scheduler_process.policy_lru import LRUPolicy
 WINDOW_CANDIDATES = 32
 """How many of the policy's preferred victims are ranked for a window search."""
 _UNRANKED = 2 * WINDOW_CANDIDATES
-"""The rank charged for a neighbour outside the policy's first candidates."""
+"""The rank charged for a neighbour outside the policy's first candidates (while
+the order is not strict: a strict order lets no such neighbour into a window)."""
 WINDOW_STEPS = 4096
 """Growth steps (a neighbour or a free run joining a window) one window search takes
 at most once it has something to fall back on (a window found, or the policy's own
@@ -238,12 +240,20 @@ class BlockAllocator:
         it spans `n` blocks; a member costs its blocks times (1 + rank), a
         neighbour the policy did not rank costs as if ranked twice the list's
         length. The cheapest window wins. None when no window can be formed
-        (pinned or not-ready neighbours everywhere), or, while the policy's
-        order is strict, when every window costs more than the policy's own
-        first victims (`_policy_order_cost`). O(WINDOW_CANDIDATES) seeds, each pruned
-        as soon as it costs more than the best so far; once there is a fallback,
-        all of them together grow at most WINDOW_STEPS steps.
+        (pinned or not-ready neighbours everywhere).
+
+        While the policy's order is strict, only the victims `alloc` would
+        evict without a window (`_policy_victims`: none while the free blocks
+        suffice; the first WINDOW_CANDIDATES of them) may be in a window: it
+        may keep some of them, never cost anyone else. None when no window of
+        them spans `n` blocks.
+        O(WINDOW_CANDIDATES) seeds, each pruned as soon as it costs more than
+        the best so far; once there is a fallback, all of them together grow at
+        most WINDOW_STEPS steps.
         """
+        strict = self.policy.strict_order
+        if strict and self._free.total >= n:
+            return None  # the free pieces hold it: evicting anyone would break the order
         first = self._entries.get(next(self.policy.candidates(), ""))
         if first is not None and first.ready and first.pins == 0 and first.runs:
             # The policy's own first victim may open a long enough run: then it
@@ -262,17 +272,20 @@ class BlockAllocator:
                     # opened is the only one that does: best fit is to carve it.
                     return free.take_from(opened, n)
                 return free.take_contiguous(n)
-        ranks = {
-            key: rank
-            for rank, key in enumerate(
-                itertools.islice(self.policy.candidates(), WINDOW_CANDIDATES)
-            )
-        }
+        if strict:
+            # None then lets `alloc` evict exactly the policy's first victims.
+            ranks = {key: rank for rank, key in enumerate(self._policy_victims(n))}
+            unranked = math.inf
+        else:
+            ranks = {
+                key: rank
+                for rank, key in enumerate(
+                    itertools.islice(self.policy.candidates(), WINDOW_CANDIDATES)
+                )
+            }
+            unranked = float(_UNRANKED)
         best: list[Entry] | None = None
-        # A policy whose order must be kept accepts only a window that costs no
-        # more than its own first victims (costs are whole numbers, hence the
-        # half); None then lets `alloc` evict exactly those.
-        best_cost = self._policy_order_cost(n) + 0.5 if self.policy.strict_order else math.inf
+        best_cost = math.inf
         steps_left = WINDOW_STEPS
         for key, rank in ranks.items():
             seed = self._entries.get(key)
@@ -280,11 +293,16 @@ class BlockAllocator:
                 continue
             if seed.num_blocks * (1 + rank) >= best_cost:
                 continue  # its window costs at least the seed itself: no better
-            bounded = best is not None or self.policy.strict_order
+            bounded = best is not None or strict
             if bounded and steps_left <= 0:
                 break
             found, steps = self._grow_window(
-                seed, n, ranks, best_cost, steps_left if bounded else math.inf
+                seed,
+                n,
+                ranks,
+                unranked=unranked,
+                budget=best_cost,
+                max_steps=steps_left if bounded else math.inf,
             )
             steps_left -= steps
             if found is not None:
@@ -295,24 +313,32 @@ class BlockAllocator:
             self._evict(entry)
         return self._free.take_contiguous(n)
 
-    def _policy_order_cost(self, n: int) -> float:
-        """What evicting the policy's first victims (at least one) until `n` blocks
-        are free costs, weighed as a window is (a victim's blocks times 1 + its rank)."""
+    def _policy_victims(self, n: int) -> list[str]:
+        """The policy's first victims (at least one), in its order, whose eviction
+        frees enough blocks for `n` (what `alloc` evicts when no window is taken);
+        at most the first WINDOW_CANDIDATES of them."""
         needed = n - self._free.total
-        cost = 0.0
+        victims = []
         entries = self._entries
-        for rank, key in enumerate(self.policy.candidates()):
+        for key in itertools.islice(self.policy.candidates(), WINDOW_CANDIDATES):
             entry = entries.get(key)
             if entry is None or not entry.evictable:
                 break  # a broken policy: `_evict_one` refuses it with a clear error
-            cost += entry.num_blocks * (1 + rank)
+            victims.append(key)
             needed -= entry.num_blocks
             if needed <= 0:
                 break
-        return cost
+        return victims
 
     def _grow_window(
-        self, seed: Entry, n: int, ranks: dict[str, int], budget: float, max_steps: float
+        self,
+        seed: Entry,
+        n: int,
+        ranks: dict[str, int],
+        *,
+        unranked: float,
+        budget: float,
+        max_steps: float,
     ) -> tuple[tuple[list[Entry], float] | None, int]:
         """The victims and cost of the window grown from `seed` (None when it cannot
         reach `n` blocks, costs `budget` or more, or needs more than `max_steps`
@@ -331,7 +357,7 @@ class BlockAllocator:
         left, right = start, start + length
         victims = [seed]
         chosen = {seed}  # `victims` as a set: a membership test is O(1), not O(window)
-        cost = float(seed.num_blocks * (1 + rank_of(seed.key, _UNRANKED)))
+        cost = float(seed.num_blocks * (1 + rank_of(seed.key, unranked)))
         steps = 0
         while right - left < n:
             if cost >= budget or steps >= max_steps:
@@ -348,9 +374,9 @@ class BlockAllocator:
             before, after = owner_ending_at(left), owner_at(right)
             before_cost = after_cost = math.inf
             if before is not None and before.ready and before.pins == 0 and before not in chosen:
-                before_cost = before.num_blocks * (1 + rank_of(before.key, _UNRANKED))
+                before_cost = before.num_blocks * (1 + rank_of(before.key, unranked))
             if after is not None and after.ready and after.pins == 0 and after not in chosen:
-                after_cost = after.num_blocks * (1 + rank_of(after.key, _UNRANKED))
+                after_cost = after.num_blocks * (1 + rank_of(after.key, unranked))
             if before_cost <= after_cost:
                 if before is None or before_cost == math.inf:
                     return None, steps
