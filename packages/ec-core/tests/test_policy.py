@@ -35,13 +35,15 @@ def _hit(alloc: BlockAllocator, key: str) -> None:
 
 
 def test_make_policy_knows_every_configured_name() -> None:
-    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("lru", 100), LRUPolicy)
     assert isinstance(make_policy("s3lfu", 100), S3LFUPolicy)
     assert isinstance(make_policy("wtinylfu", 100), WTinyLFUPolicy)
     assert set(POLICIES) == {"lru", "s3lfu", "wtinylfu"}
     assert DEFAULT_POLICY == "wtinylfu"
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
-        make_policy("fifo")
+        make_policy("fifo", 100)
+    with pytest.raises(ValueError, match="cannot have -1 blocks"):
+        make_policy("wtinylfu", -1)
 
 
 def test_the_light_policy_names_are_exactly_the_registry() -> None:

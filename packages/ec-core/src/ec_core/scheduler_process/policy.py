@@ -77,9 +77,13 @@ POLICIES: dict[str, type[LRUPolicy] | type[S3LFUPolicy] | type[WTinyLFUPolicy]] 
 is built as `POLICIES[name](num_blocks)`."""
 
 
-def make_policy(name: str, num_blocks: int = 0) -> EvictionPolicy:
-    """A fresh policy object for a configured policy name and pool size."""
+def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
+    """A fresh policy object for a configured policy name and the pool's size in
+    blocks (required: the size-aware policies scale their budgets and shadows
+    to it, and a missing size would silently make a one-block pool of them)."""
     policy = POLICIES.get(name)
     if policy is None:
         raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}")
+    if num_blocks < 0:
+        raise ValueError(f"a pool cannot have {num_blocks} blocks")
     return policy(num_blocks)
