@@ -9,9 +9,10 @@ exactly the evictable entries, each once; and the policy's per-key state
 (ghosts, trials, refused lists, shadows, the sketch) stays within its bounds.
 After each successful `alloc`: while the order was strict (LRU, W-TinyLFU in
 recency mode) the victims were among the policy's first ones (all of them,
-or a window of some of them); and a split entry has no more runs than the free space required. The
-phased workload alternates recency- and frequency-friendly traffic so that
-W-TinyLFU changes mode several times along the way.
+or a window of some of them); and a split entry has no more runs than the
+free space required. The phased workload alternates recency- and
+frequency-friendly traffic so that W-TinyLFU changes mode several times along
+the way.
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ class Harness:
                 break
             prefix.append(key)
             needed -= self.alloc_blocks[key]
-        assert set(victims) <= set(prefix), (victims, prefix, order)
-        if set(victims) != set(prefix):
+        first_victims = set(prefix)
+        assert set(victims) <= first_victims, (victims, prefix, order)
+        if set(victims) != first_victims:
             assert len(entry.runs) == 1, "a window was evicted, yet the entry is split"
 
     def _check_fewest_runs(self, entry: Entry) -> None:
