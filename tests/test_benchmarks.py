@@ -262,3 +262,22 @@ def test_exact_lfu_saves_only_what_outcounts_the_entries_it_displaces() -> None:
     result = hit_ratio.run_exact_lfu(trace, 2)
     assert result.hits == 2  # x's second request and w's last
     assert result.written_per_hit == pytest.approx(4 / 3)  # x, y, w (2 rows) for 3 rows served
+
+
+def test_sweep_grid_runs_on_held_out_seeds_up_to_a_length() -> None:
+    """`--seeds` and `--max-length`: the same axes on other seeds, no longer traces."""
+    import sweep
+
+    default = sweep.grid()
+    assert {task.seed for task in default} == set(sweep.SEEDS)
+    assert max(task.length for task in default) == max(sweep.LENGTHS)
+    held_out = sweep.grid((201, 202), max_length=10_000)
+    assert {task.seed for task in held_out} == {201, 202}
+    assert {task.length for task in held_out} == {10_000}
+    # The first seed takes the size axis, as 101 does in the default grid.
+    assert {task.sizes for task in held_out if task.seed == 201} == set(sweep.SIZE_DISTS)
+    assert {task.sizes for task in held_out if task.seed == 202} == {"loguniform"}
+    short = [task for task in default if task.length == 10_000 and task.seed == 101]
+    assert len([task for task in held_out if task.seed == 201]) == len(short)
+    with pytest.raises(ValueError, match="at least one seed"):
+        sweep.grid(())

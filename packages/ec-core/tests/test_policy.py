@@ -483,7 +483,7 @@ def test_wtinylfu_one_huge_item_weighs_at_most_its_share_in_the_guard() -> None:
     samples: the frequency shadow hitting one item of half the pool does not
     outweigh LRU serving 30 small ones (with full weight, that one hit alone
     filled a sample and sent the policy into frequency mode)."""
-    policy = WTinyLFUPolicy(800, guard_item_share=1 / 8)
+    policy = WTinyLFUPolicy(800, guard_item_share=1 / 8, guard_sample=0.5)  # 400 blocks a sample
     policy._samples = policy.guard_warmup  # past the warm-up
     policy._lru.evicted = True  # the shadow LRU has been full: samples count
     policy._tiny.main["big"] = 400  # held by the frequency shadow only
