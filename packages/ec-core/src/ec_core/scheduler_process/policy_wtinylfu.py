@@ -79,16 +79,10 @@ class WTinyLFUPolicy(FirstSightingGate):
       sample does not flip it; during the first `guard_warmup` samples it
       does neither (the first samples of a cold pool are the noisiest: on
       Table 1's sessions trace at 10 % an early excursion into frequency mode
-      cost 1 % of LRU's hits). A sample is one pool, the warm-up one sample
-      (they were half a pool and three: a small pool's half-pool samples hold
-      a few dozen requests, and the mode flapped on their noise). Measured on
-      the sweep and on its grid with five held-out seeds (`sweep.py --seeds
-      201,202,203,204,205 --max-length 10000`), the points below their
-      oracle or Belady goal went 88 -> 82 and 97 -> 82, those below 0.99 x
-      plain LRU 12 -> 9 and 15 -> 12; the price: Table 1, whose traces are
-      short, loses 0.2 % of its summed hit ratio (sessions at 5 % -2.6 %, the
-      Zipf rows at 20 % -0.7 to -1 %), and a held-out loop point (5 %,
-      bimodal sizes) falls from 0.98 to 0.85 x the oracle. It **starts in
+      cost 1 % of LRU's hits). A sample is one pool, the warm-up one sample:
+      a small pool's samples of half a pool hold a few dozen requests, and
+      the mode flaps on their noise (the CHANGELOG gives what was measured,
+      on the sweep and on held-out seeds, `sweep.py --seeds`). It **starts in
       recency mode** (LRU until the frequency side has proved better: a
       frequency policy has nothing to go on in a cold pool). In recency mode
       the window is the whole pool, every hit moves its entry to the window's
