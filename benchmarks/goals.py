@@ -113,7 +113,8 @@ def table1(rows: Sequence[hit_ratio.Row]) -> list[Check]:
 def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal]) -> list[Check]:
     """The independent families' goals at the length and capacity the issue states them
     (`sweep.STATED`), with the default sizes, on every seed the sweep ran; a goal against
-    Belady also gives the exact-count LFU's ratio on each seed."""
+    Belady also gives the exact-count LFU's ratio on each seed, and the lowest of the
+    oracle's (what a policy that knew every item's count in advance would make)."""
     import sweep
 
     import workloads
@@ -146,6 +147,9 @@ def independent(measured: Sequence[sweep.Measured], goals: Sequence[sweep.Goal])
                     f"; exact LFU {min(exact):.3f} x {sweep.REFERENCES[goal.reference]} "
                     f"({_per_seed(points, exact)})"
                 )
+            if goal.reference == "belady":
+                oracle = min(result.ratio("belady", "oracle") for result in points)
+                measured_line += f"; the oracle {oracle:.3f} x Belady"
             checks.append(
                 Check(
                     f"{family} {length // 1000}k at {capacity:.0%}",
@@ -167,7 +171,7 @@ def _per_seed(points: Sequence[sweep.Measured], ratios: Sequence[float]) -> str:
 def swept(summaries: Sequence[sweep.Summary], goals: Sequence[sweep.Goal]) -> list[Check]:
     """Each sweep goal over every point of its families: the worst ratio, where, and how
     many points miss (for a goal against the oracle or Belady, also how many the
-    exact-count LFU misses)."""
+    exact-count LFU misses; for one against Belady, how many the oracle misses)."""
     checks = []
     for goal in goals:
         found = [summary for summary in summaries if summary.goal == goal]
@@ -176,10 +180,15 @@ def swept(summaries: Sequence[sweep.Summary], goals: Sequence[sweep.Goal]) -> li
         worst = min(found, key=lambda summary: summary.minimum)
         failing = sum(summary.failing for summary in found)
         points = sum(summary.points for summary in found)
-        exact = [summary.exact_lfu_failing for summary in found]
-        exact_note = (
-            f" (exact LFU: {sum(exact)})" if all(count is not None for count in exact) else ""
-        )
+        notes = []
+        for name, counts in (
+            ("exact LFU", [summary.exact_lfu_failing for summary in found]),
+            ("oracle", [summary.oracle_failing for summary in found]),
+        ):
+            known = [count for count in counts if count is not None]
+            if known and len(known) == len(counts):
+                notes.append(f"{name}: {sum(known)}")
+        exact_note = f" ({'; '.join(notes)})" if notes else ""
         checks.append(
             Check(
                 f"sweep: {goal.name}",

@@ -155,6 +155,19 @@ def test_sweep_oracle_goals_count_the_points_the_exact_count_lfu_misses() -> Non
     ]
     (summary,) = sweep.summarize(belady_goal, scans)
     assert (summary.failing, summary.exact_lfu_failing) == (2, 2)
+    # ... and the points where the oracle misses it too (0.5 of 0.6: 0.833 x Belady); a
+    # goal against another reference makes no claim about the oracle.
+    assert summary.oracle_failing == 2
+    assert sweep.summarize(video_goal, measured)[0].oracle_failing is None
+    reachable = [dataclasses.replace(scans[0], oracle=0.58), scans[1]]  # 0.967 x Belady
+    (summary,) = sweep.summarize(belady_goal, reachable)
+    assert summary.oracle_failing == 1
+    lines = sweep.table(reachable)
+    section = lines.index(next(line for line in lines if line.startswith(belady_goal.name)))
+    line = next(line for line in lines[section:] if line.startswith("  ind-zipf-scans"))
+    assert line.endswith("FAIL (2/2 below); exact LFU 2/2 below; oracle 1/2 below")
+    (check,) = goals.swept([summary], [belady_goal])
+    assert "2 (exact LFU: 2; oracle: 1) of 2 points below" in check.measured
 
 
 def test_sweep_measures_a_tiny_grid_with_the_real_policies(tmp_path: Path) -> None:
@@ -220,7 +233,9 @@ def test_goals_compare_each_table_with_its_target() -> None:
     (zipf_scans,) = goals.independent(stated, sweep.GOALS)
     assert not zipf_scans.passed and "101: 0.968" in zipf_scans.measured
     assert "102: 0.857" in zipf_scans.measured
-    assert zipf_scans.measured.endswith("; exact LFU 0.800 x Belady (101: 0.903, 102: 0.800)")
+    assert zipf_scans.measured.endswith(
+        "; exact LFU 0.800 x Belady (101: 0.903, 102: 0.800); the oracle 0.857 x Belady"
+    )
     # Points saved before the exact LFU was measured make no claim about it.
     old = [dataclasses.replace(result, exact_lfu=math.nan) for result in stated]
     (zipf_scans,) = goals.independent(old, sweep.GOALS)
