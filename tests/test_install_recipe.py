@@ -21,9 +21,10 @@ REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements"
 
 def _recipe_script(name: str) -> ModuleType:
     """`requirements/<name>.py`, imported (the recipe runs it as a script)."""
-    spec = importlib.util.spec_from_file_location(name, REQUIREMENTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_recipe_{name}", REQUIREMENTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
 
@@ -355,3 +356,100 @@ def test_the_torchvision_step_stops_with_the_command_when_nothing_works(
     assert "replacing torchvision 0.28.0 (it fails beside this torch" in out.out
     assert "could not install a working torchvision 0.28.0" in out.err
     assert "--index-url https://download.pytorch.org/whl/cpu 'torchvision==0.28.0+cpu'" in out.err
+
+
+def _recipes_in(tmp_path: Path) -> tuple[ModuleType, tuple[object, ...], Path, Path]:
+    """`requirements/recipes.py` with two throwaway recipes in a folder of their own, and an
+    environment prefix that has none recorded."""
+    module = _recipe_script("recipes")
+    folder = tmp_path / "requirements"
+    folder.mkdir()
+    (folder / "one.sh").write_text("echo one\n")
+    (folder / "pins.txt").write_text("a==1\n")
+    (folder / "two.sh").write_text("echo two\n")
+    recipes = (
+        module.Recipe("one", "one.sh", ("one.sh", "pins.txt")),
+        module.Recipe("two", "two.sh", ("two.sh",)),
+    )
+    return module, recipes, folder, tmp_path / "env"
+
+
+def test_a_recipe_cut_short_or_changed_runs_again_and_a_finished_one_does_not(
+    tmp_path: Path,
+) -> None:
+    module, recipes, folder, prefix = _recipes_in(tmp_path)
+    ran: list[str] = []
+    status = {"one": 0, "two": 0}
+    said: list[str] = []
+
+    def run(script: Path) -> int:
+        ran.append(script.name)
+        return status[script.stem]
+
+    def ensure() -> int:
+        ran.clear()
+        code: int = module.ensure(
+            recipes, folder, prefix, run=run, say=said.append, complain=said.append
+        )
+        return code
+
+    # A new environment runs both, in order, and records them.
+    assert ensure() == 0 and ran == ["one.sh", "two.sh"]
+    assert module.pending(recipes, folder, prefix) == []
+    # Recorded and unchanged: nothing runs.
+    assert ensure() == 0 and ran == [] and "install recipes current: one, two" in said[-1]
+    # A changed pin runs that recipe again, and only that one.
+    (folder / "pins.txt").write_text("a==2\n")
+    assert ensure() == 0 and ran == ["one.sh"]
+    # A run cut short leaves no record (the record goes before a recipe starts): it runs again.
+    module.record_path(recipes[1], prefix).unlink()
+    assert ensure() == 0 and ran == ["two.sh"]
+    # A failing recipe stops the run with its status and its name; the recipes after it do
+    # not run, it keeps no record, and the next call runs it (and them) again.
+    (folder / "pins.txt").write_text("a==3\n")
+    module.record_path(recipes[1], prefix).unlink()
+    status["one"] = 3
+    assert ensure() == 3 and ran == ["one.sh"]
+    assert "the one recipe failed (exit 3)" in said[-1]
+    assert [recipe.name for recipe in module.pending(recipes, folder, prefix)] == ["one", "two"]
+    status["one"] = 0
+    assert ensure() == 0 and ran == ["one.sh", "two.sh"]
+
+
+def test_a_recipe_killed_halfway_is_a_failure_that_runs_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With the real runner (bash): a recipe killed by a signal fails with 128 + the signal,
+    # as a shell reports it, and leaves no record.
+    module, recipes, folder, prefix = _recipes_in(tmp_path)
+    (folder / "one.sh").write_text(f'echo started >> "{tmp_path}/log"\nkill -KILL $$\n')
+    assert module.ensure(recipes[:1], folder, prefix) == 128 + 9
+    assert "the one recipe failed (exit 137)" in capsys.readouterr().err
+    assert not module.record_path(recipes[0], prefix).exists()
+    (folder / "one.sh").write_text(f'echo finished >> "{tmp_path}/log"\n')
+    assert module.ensure(recipes[:1], folder, prefix) == 0
+    assert (tmp_path / "log").read_text().split() == ["started", "finished"]
+    assert module.pending(recipes[:1], folder, prefix) == []
+
+
+def test_the_cpu_environment_runs_every_recipe_through_the_runner_first() -> None:
+    # hatch runs the recipes through recipes.py when it creates the environment, and
+    # `test` and `demo` call it before anything else; every file a recipe lists exists
+    # (a renamed one would make its digest fail, not silently change).
+    import tomllib
+
+    module = _recipe_script("recipes")
+    config = tomllib.loads((REQUIREMENTS.parent / "hatch.toml").read_text())
+    default = config["envs"]["default"]
+    assert default["post-install-commands"] == ["python requirements/recipes.py"]
+    assert default["scripts"]["recipes"] == "python requirements/recipes.py"
+    assert default["scripts"]["test"][0] == "recipes"
+    assert default["scripts"]["demo"][0] == "recipes"
+    for recipe in module.RECIPES:
+        assert recipe.script in recipe.files
+        assert len(recipe.digest(REQUIREMENTS)) == 64
+    # The recipe keeps the triton the engine tests need: the version the dependencies pin.
+    (pin,) = [dep for dep in default["dependencies"] if dep.startswith("triton==")]
+    assert default["env-vars"]["EC_CPU_TIER_KEEP_TRITON"] == pin.removeprefix("triton==")
+    for other in ("cuda", "ascend"):
+        assert "requirements/recipes.py" not in config["envs"][other]["scripts"]["recipes"]
