@@ -19,7 +19,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 from ec_core.policy_names import DEFAULT_POLICY
 from ec_core.scheduler_process import first_sightings, frequency_sketch, policy_wtinylfu, shadows
 from ec_core.scheduler_process.allocator import BlockAllocator
-from ec_core.scheduler_process.frequency_sketch import FrequencySketch, key_hash
+from ec_core.scheduler_process.frequency_sketch import _SPREAD, FrequencySketch, key_hash
 from ec_core.scheduler_process.policy import make_policy
 from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
 from ec_core.scheduler_process.shadows import ShadowLRU, ShadowTinyLFU
@@ -178,6 +178,39 @@ def test_sketch_hash_is_deterministic() -> None:
     assert key_hash("img7") == zlib.crc32(b"img7")
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    width=st.sampled_from([16, 32, 64, 1 << 16]),
+    keys=st.lists(st.integers(0, 400), min_size=1, max_size=120),
+)
+def test_sketch_matches_its_documented_layout(width: int, keys: list[int]) -> None:
+    """Counters and estimates equal a plain reading of the docstrings (row r's index
+    is the top log2(width) bits of bits [32r, 32r + 32) of hash * _SPREAD; the least
+    counters rise; the estimate is the least of four). The hot methods are written
+    for speed: this pins what they compute, so the benchmarks' figures stay put."""
+    sketch = FrequencySketch(width, period_factor=1000.0)
+    bits = width.bit_length() - 1
+    reference = [0] * (sketch.depth * width)
+
+    def cells(key: str) -> list[int]:
+        spread = key_hash(key) * _SPREAD
+        fields = [(spread >> (32 * row)) & 0xFFFFFFFF for row in range(sketch.depth)]
+        return [row * width + (field >> (32 - bits)) for row, field in enumerate(fields)]
+
+    for number in keys:
+        key = f"img{number}"
+        least = min(reference[cell] for cell in cells(key))
+        for cell in cells(key):
+            if reference[cell] == least and least < sketch.cap:
+                reference[cell] = least + 1
+        sketch.increment(key)
+    assert sketch.resets == 0
+    assert list(sketch.counters) == reference
+    for number in range(401):  # counted or not: narrow widths make them collide
+        key = f"img{number}"
+        assert sketch.estimate(key) == min(reference[cell] for cell in cells(key))
+
+
 def test_sketch_ages_by_halving() -> None:
     sketch = FrequencySketch(16)
     for _ in range(12):
@@ -187,6 +220,26 @@ def test_sketch_ages_by_halving() -> None:
         sketch.increment(f"cold{i}")
     assert sketch.resets >= 1
     assert sketch.estimate("hot") <= before // 2 + 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=st.lists(st.integers(0, 80), min_size=50, max_size=400))
+def test_a_small_held_key_outside_the_hash_sample_is_in_no_shadow(trace: list[int]) -> None:
+    """`on_request` skips the shadows for a held key outside their hash sample whose
+    blocks, weighed up by the sampling rate, stay below `_big_blocks`: the shadows
+    must never hold such a key (they thin often here: 4 entries before a halving)."""
+    policy = WTinyLFUPolicy(POOL, max_shadow_entries=4)
+    alloc = BlockAllocator(POOL, policy)
+    for number in [*range(0, 80, 3), *trace]:  # distinct keys first: the shadows thin
+        key = f"k{number}"
+        alloc.note_request(key)
+        if key not in alloc and alloc.alloc(key, 1 + number * 7 % 30, force=True) is not None:
+            alloc.mark_ready(key)
+        for shadowed in policy._lru.keys() | policy._tiny.keys():
+            held = policy._blocks.get(shadowed)
+            if held is not None and not policy._in_hash_sample(shadowed):
+                assert held << policy.shadow_rate_bits >= policy._big_blocks, shadowed
+    assert policy.shadow_rate_bits >= 1, "the shadows never thinned: the test tests nothing"
 
 
 def test_policy_state_stays_bounded_over_many_keys() -> None:

@@ -52,7 +52,9 @@ class FrequencySketch:
         self.increments = 0
         self.resets = 0
         self._mask = 15
-        self._shifts = (0, 0, 0, 0)
+        self._rows = (0, 0, 0, 0, 0, 0, 0)
+        """Row 0's shift, then each further row's shift and offset in `counters`
+        (see `resize`): what the index arithmetic reads, in one tuple."""
         self.resize(width)
 
     def resize(self, width: int) -> None:
@@ -80,7 +82,7 @@ class FrequencySketch:
         self.width = width
         self._mask = width - 1
         bits = width.bit_length() - 1
-        self._shifts = (32 - bits, 64 - bits, 96 - bits, 128 - bits)
+        self._rows = (32 - bits, 64 - bits, width, 96 - bits, 2 * width, 128 - bits, 3 * width)
         self.period = max(int(self.period_factor * width), 1)
 
     def estimate(self, key: str) -> int:
@@ -89,15 +91,20 @@ class FrequencySketch:
 
     def estimate_hash(self, digest: int) -> int:
         """`estimate` of the key whose `key_hash` is `digest`."""
+        # The hot path (every request and admission): conditional expressions
+        # rather than `min()`, and one tuple for the index arithmetic, cost about
+        # a third less in CPython (timeit); `test_sketch_matches_its_documented_layout`
+        # pins what they compute.
         spread = digest * _SPREAD
-        counters, mask, width = self.counters, self._mask, self.width
-        s0, s1, s2, s3 = self._shifts
-        return min(
-            counters[(spread >> s0) & mask],
-            counters[width + ((spread >> s1) & mask)],
-            counters[2 * width + ((spread >> s2) & mask)],
-            counters[3 * width + ((spread >> s3) & mask)],
-        )
+        counters, mask = self.counters, self._mask
+        s0, s1, o1, s2, o2, s3, o3 = self._rows
+        a = counters[(spread >> s0) & mask]
+        b = counters[o1 + ((spread >> s1) & mask)]
+        c = counters[o2 + ((spread >> s2) & mask)]
+        d = counters[o3 + ((spread >> s3) & mask)]
+        a = a if a < b else b
+        c = c if c < d else d
+        return a if a < c else c
 
     def increment(self, key: str) -> None:
         """Count one request for `key`; halves every counter once per `period`."""
@@ -106,14 +113,16 @@ class FrequencySketch:
     def increment_hash(self, digest: int) -> None:
         """`increment` of the key whose `key_hash` is `digest`."""
         spread = digest * _SPREAD
-        counters, mask, width = self.counters, self._mask, self.width
-        s0, s1, s2, s3 = self._shifts
+        counters, mask = self.counters, self._mask
+        s0, s1, o1, s2, o2, s3, o3 = self._rows
         a = (spread >> s0) & mask
-        b = width + ((spread >> s1) & mask)
-        c = 2 * width + ((spread >> s2) & mask)
-        d = 3 * width + ((spread >> s3) & mask)
+        b = o1 + ((spread >> s1) & mask)
+        c = o2 + ((spread >> s2) & mask)
+        d = o3 + ((spread >> s3) & mask)
         ca, cb, cc, cd = counters[a], counters[b], counters[c], counters[d]
-        least = min(ca, cb, cc, cd)
+        least = ca if ca < cb else cb
+        other = cc if cc < cd else cd
+        least = least if least < other else other
         if least < self.cap:
             raised = least + 1
             if ca == least:

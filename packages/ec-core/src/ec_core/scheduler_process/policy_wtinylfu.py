@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -233,7 +234,13 @@ class WTinyLFUPolicy(FirstSightingGate):
             self._age_main()
         if len(self._blocks) > self._sketch_full_at:
             self._grow_sketch()
-        self._shadow_request(key, not digest & self._shadow_mask)
+        sampled = not digest & self._shadow_mask
+        # A held key outside the hash sample whose blocks, weighed up by the
+        # sampling rate, stay below `_big_blocks` is in neither shadow: skip
+        # their lookups (`_thin_shadows` says why it cannot be there).
+        big = self._big_blocks
+        if sampled or self._blocks.get(key, big) << self.shadow_rate_bits >= big:
+            self._shadow_request(key, sampled)
         if key in self._refused.sizes:
             self._refused.pop(key)
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
@@ -389,10 +396,10 @@ class WTinyLFUPolicy(FirstSightingGate):
     # ---------------------------------------------------------- queries
 
     def candidates(self) -> Iterator[str]:
-        yield from self._outgoing
-        for bucket in self._buckets:
-            yield from bucket
-        yield from self._window
+        # A chain, not a generator: the allocator starts this walk once or twice
+        # per save, and the chain's setup costs about two thirds of a generator's
+        # over the 18 parts (measured with timeit).
+        return itertools.chain(self._outgoing, *self._buckets, self._window)
 
     def stats(self) -> dict[str, float]:
         return {
@@ -488,7 +495,13 @@ class WTinyLFUPolicy(FirstSightingGate):
         entries still in the sample and forgets the rest (unbiased: a kept
         entry weighs in expectation what it weighed); a shadow then holds about
         `max_shadow_entries` keys, whatever the pool holds. O(shadow entries),
-        at most 32 times in a policy's life."""
+        at most 32 times in a policy's life.
+
+        So a shadow entry weighs its blocks times at most 2**`shadow_rate_bits`,
+        and one that weighs less than `_big_blocks` is in the current hash
+        sample: a key of `blocks` blocks outside the sample, with `blocks <<
+        shadow_rate_bits` below `_big_blocks`, is in neither shadow (what
+        `on_request` relies on to skip them)."""
         if self.shadow_rate_bits >= 32:
             return
         self.shadow_rate_bits += 1
