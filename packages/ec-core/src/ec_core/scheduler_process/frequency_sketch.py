@@ -93,7 +93,7 @@ class FrequencySketch:
         """`estimate` of the key whose `key_hash` is `digest`."""
         # The hot path (every request and admission): conditional expressions
         # rather than `min()`, and one tuple for the index arithmetic, cost about
-        # a third less in CPython (timeit); `test_sketch_matches_its_documented_layout`
+        # a quarter less in CPython (timeit); `test_sketch_matches_its_documented_layout`
         # pins what they compute.
         spread = digest * _SPREAD
         counters, mask = self.counters, self._mask
