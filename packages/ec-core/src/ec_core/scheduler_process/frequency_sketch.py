@@ -91,10 +91,11 @@ class FrequencySketch:
 
     def estimate_hash(self, digest: int) -> int:
         """`estimate` of the key whose `key_hash` is `digest`."""
-        # The hot path (every request and admission): conditional expressions
-        # rather than `min()`, and one tuple for the index arithmetic, cost about
-        # a quarter less in CPython (timeit); `test_sketch_matches_its_documented_layout`
-        # pins what they compute.
+        # This and `increment_hash` are the hot path (an increment per request, an
+        # estimate per admission and duel): conditional expressions rather than
+        # `min()`, and one tuple for the index arithmetic, cost about a quarter less
+        # in CPython (timeit); `test_sketch_matches_its_documented_layout` pins
+        # what they compute.
         spread = digest * _SPREAD
         counters, mask = self.counters, self._mask
         s0, s1, o1, s2, o2, s3, o3 = self._rows
