@@ -466,6 +466,25 @@ def test_wtinylfu_guard_waits_for_its_warm_up_samples() -> None:
     assert policy.recency_mode
 
 
+def test_wtinylfu_the_first_sample_after_a_change_of_mode_decides_alone() -> None:
+    """A change of mode starts the guard's score afresh: the sample after it is the
+    first to weigh the new mode's own side. One clear sample for frequency mode,
+    then one where LRU serves a tenth of the requested blocks more than the policy:
+    it goes back at once (the score carried over, -1 / 2 + 0.1, kept it in
+    frequency mode for another sample)."""
+    policy = WTinyLFUPolicy(100)
+    policy._samples = policy.guard_warmup  # past the warm-up
+    policy._sample = [100, 0, 100]  # the frequency expert served everything, LRU nothing
+    policy._end_sample()
+    assert not policy.recency_mode
+    policy._sample = [100, 10, 0]  # LRU ahead by 0.1 of the requested blocks
+    policy._end_sample()
+    assert policy.recency_mode and policy.mode_changes == 2
+    policy._sample = [100, 0, 0]  # a tie keeps the mode
+    policy._end_sample()
+    assert policy.recency_mode and policy.mode_changes == 2
+
+
 def test_wtinylfu_an_entry_that_displaces_nothing_wins_its_duel() -> None:
     """The duel protects the blocks a candidate would take: one that needs none (a
     zero-block entry, or room enough) wins against any main part."""

@@ -77,7 +77,13 @@ class WTinyLFUPolicy(FirstSightingGate):
       memory stay those of about `max_shadow_entries` entries.
       It enters recency mode when the score exceeds `guard_margin`, and
       leaves it when the score falls below `-guard_margin`, so one noisy
-      sample does not flip it; during the first `guard_warmup` samples it
+      sample does not flip it. A change of mode sets the score back to 0:
+      the samples before it weighed LRU against the frequency side of the
+      other mode (the expert, or the policy's own hits), so the first sample
+      after it decides alone whether the change pays (measured on the sweep's
+      independent chat, 10 %, heavy sizes: one sample sent it into frequency
+      mode, and the score carried over kept it there a second losing sample:
+      0.887 -> 0.982 x plain LRU). During the first `guard_warmup` samples it
       does neither (the first samples of a cold pool are the noisiest: on
       Table 1's sessions trace at 10 % an early excursion into frequency mode
       cost 1 % of LRU's hits). A sample is one pool, the warm-up one sample:
@@ -211,7 +217,8 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._weight_cap = max(int(guard_item_share * self.capacity), 1)
         self._samples = 0
         self.guard_score = 0.0
-        """Decaying sum of (LRU - frequency expert) / requested over the samples."""
+        """Decaying sum of (LRU - frequency side) / requested over the samples since
+        the last change of mode."""
         self._sketch_full_at = self.sketch.width // 4
         """Entries beyond which the sketch grows (to 16 counters a row per entry)."""
         # The last requested key whose size was not known yet (a miss nobody
@@ -538,6 +545,7 @@ class WTinyLFUPolicy(FirstSightingGate):
     def _set_recency_mode(self, on: bool) -> None:
         self.recency_mode = on
         self.mode_changes += 1
+        self.guard_score = 0.0  # the evidence was about the other mode (class docstring)
         self.window_target = float(self.capacity) if on else self.initial_window
         if on:
             # Duel losers are the newest entries outside the window: they join
