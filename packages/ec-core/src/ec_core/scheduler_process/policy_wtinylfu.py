@@ -84,14 +84,15 @@ class WTinyLFUPolicy(FirstSightingGate):
       independent chat, 10 %, heavy sizes: one sample sent it into frequency
       mode, and the score carried over kept it there a second losing sample:
       0.887 -> 0.982 x plain LRU). During the first `guard_warmup` samples it
-      does neither (the first samples of a cold pool are the noisiest: on
-      Table 1's sessions trace at 10 % an early excursion into frequency mode
-      cost 1 % of LRU's hits). A sample is one pool, the warm-up one sample:
-      a small pool's samples of half a pool hold a few dozen requests, and
-      the mode flaps on their noise (the CHANGELOG gives what was measured,
-      on the sweep and on held-out seeds, `sweep.py --seeds`). It **starts in
-      recency mode** (LRU until the frequency side has proved better: a
-      frequency policy has nothing to go on in a cold pool). In recency mode
+      neither enters nor leaves recency mode (the first samples of a cold
+      pool are the noisiest: on Table 1's sessions trace at 10 % an early
+      excursion into frequency mode cost 1 % of LRU's hits). A sample is one
+      pool, the warm-up one sample: a small pool's samples of half a pool
+      hold a few dozen requests, and the mode flaps on their noise (the
+      CHANGELOG gives what was measured, on the sweep and on held-out seeds,
+      `sweep.py --seeds`). It **starts in recency mode** (LRU until the
+      frequency side has proved better: a frequency policy has nothing to go
+      on in a cold pool). In recency mode
       the window is the whole pool, every hit moves its entry to the window's
       most recent end, no duels happen, so the victim order becomes LRU's as
       the old main entries age out.
