@@ -16,6 +16,10 @@ without the time the thread spends preempted on a shared machine. Runs alternate
 in-tree (RUNS of each); each figure is the median of its side's runs, and the
 ratio is the median of the per-run ratios (each ours run over the in-tree run
 next to it), shown with their range: a shared 2-core machine is noisy.
+
+Both sides run with the C allocator in the state of a running engine's process
+(`as_in_an_engine`): the in-tree step's cost depends on it by about a tenth at 8
+items, so without it the figures would depend on what the process did before.
 """
 
 from __future__ import annotations
@@ -54,6 +58,28 @@ WARMUP_STEPS = 20
 """Warm-up steps after the region has filled."""
 MEASURED_ITEMS = 6_000
 RUNS = 5
+
+
+ENGINE_FREED_BYTES = 16 << 20
+"""One block this size, allocated and freed, puts glibc's malloc in an engine's state."""
+
+
+def as_in_an_engine() -> None:
+    """Allocate and free one block of `ENGINE_FREED_BYTES`, as a running engine has.
+
+    glibc serves large blocks by mapping them; freeing one of up to 32 MiB raises
+    the size from which it maps blocks to that block's size, and the free heap it
+    keeps rather than gives back to the kernel to twice that. A vLLM engine
+    process has in all likelihood freed such blocks before it schedules (loading
+    weights, its profiling run: not measured here), so block-id lists of a few
+    KiB come from the heap it keeps. A fresh benchmark process has not: the
+    in-tree scheduler, which builds more such lists, then pays the kernel for
+    heap given back and taken again (setting `MALLOC_TRIM_THRESHOLD_`,
+    `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TOP_PAD_` high has the same effect).
+    Repeating this is harmless.
+    """
+    block = bytearray(ENGINE_FREED_BYTES)
+    del block
 
 
 def _report(scheduler: Any, meta: ECCPUConnectorMetadata) -> Any:
@@ -104,6 +130,7 @@ def per_step_us(scheduler: Any, items: int) -> float:
     steps = len(plan)
     assert steps == warmup + measured, "the plan is too short"
     driver = StepDriver(scheduler)
+    as_in_an_engine()
     total = 0.0
     for number, keys in enumerate(plan):
         requests = [make_request(f"s{number}r{i}", [Item(k, ROWS)]) for i, k in enumerate(keys)]
