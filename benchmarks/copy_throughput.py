@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import tempfile
 
 import torch
@@ -177,6 +178,8 @@ def table(repeats: int = 15) -> list[str]:
         lines.extend(measure(worker, BATCH[1], repeats, count=BATCH[0]))
     finally:
         worker.shutdown()
+        shutil.rmtree(region_dir, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
     return lines
 
 

@@ -25,8 +25,10 @@ items, so without it the figures would depend on what the process did before.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -284,13 +286,20 @@ def policy_share_table(runs: int = 3) -> list[str]:
     return lines
 
 
+def _scratch_dir(prefix: str) -> str:
+    """A new directory, removed when the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def _config(policy: str | None) -> Any:
-    region_dir = tempfile.mkdtemp(prefix="ec-bench-region-")
+    region_dir = _scratch_dir("ec-bench-region-")
     extra: dict[str, Any] = {"ec_cpu_bytes": REGION_BYTES, "ec_cpu_dir": region_dir}
     if policy is not None:
         extra["ec_eviction_policy"] = policy
     return make_vllm_config(
-        write_config_only(tempfile.mkdtemp(prefix="ec-bench-model-")),
+        write_config_only(_scratch_dir("ec-bench-model-")),
         extra=extra,
         widths={"image": WIDTH},
     )
