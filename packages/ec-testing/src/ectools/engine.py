@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ectools import shm_leftovers
 from ectools.checkout import ROOT
 from ectools.families import BLIP2_PROMPT, family, random_image
 from ectools.runners import default_runner, runner_env, runner_of, use_runner
@@ -487,7 +488,12 @@ def _start_until(
     raise AssertionError(f"engine exited (rc {rc}) before {line_prefix!r}{tail}")
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_group(proc: subprocess.Popen[str], known: Iterable[Path] = ()) -> None:
+    """SIGKILL the engine's process group, and remove the shared memory vLLM's
+    processes had made (`ectools.shm_leftovers`), which a clean exit would have:
+    what they map now, and `known` (found earlier: a caller may have killed the
+    group itself, and a dead process maps nothing)."""
+    leftovers = shm_leftovers.mapped_by_group(proc.pid) | set(known)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(60)
@@ -495,6 +501,7 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
+    shm_leftovers.remove(leftovers)
 
 
 def kill_at(spec: EngineSpec, line_prefix: str) -> list[Path]:
@@ -542,6 +549,7 @@ def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str,
     held = replace(spec, hold_after_pass=len(spec.passes) - 1)
     with tempfile.TemporaryFile("a+") as log:  # appends: shared with the engine
         proc, line = _start_until(held, "READY", log)
+        known = shm_leftovers.mapped_by_group(proc.pid)  # (the caller may kill it first)
         try:
             printed = json.loads(line[len("READY ") :])
             log.seek(0)
@@ -554,7 +562,7 @@ def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str,
         finally:
             directory = spec.extra.get("ec_cpu_dir")
             mapped = region_files(directory) if directory else []
-            _kill_group(proc)
+            _kill_group(proc, known)
             for path in mapped:
                 _wait_until_unlocked(path)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ectools import shm_leftovers
 from ectools.engine import engine_env
 
 PROMPT = "Question: what is in the picture? Answer:"
@@ -193,8 +194,10 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
     The whole group is waited for, not only its leader (the API server): its engine
     core and workers, in the same group, may still be shutting down (a worker
-    removes its region file then) when the leader has exited.
+    removes its region file then) when the leader has exited. The shared memory
+    vLLM's processes had made is removed if a SIGKILL left it (`ectools.shm_leftovers`).
     """
+    leftovers = {proc.pid: shm_leftovers.mapped_by_group(proc.pid) for proc in procs}
     for proc in procs:
         _signal_group(proc, signal.SIGTERM)
     for proc in procs:
@@ -205,6 +208,7 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             time.sleep(0.1)
         _signal_group(proc, signal.SIGKILL)
         proc.wait(30)
+        shm_leftovers.remove(leftovers[proc.pid])
 
 
 def image_url(image: Any) -> str:
