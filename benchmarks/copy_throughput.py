@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import tempfile
 
 import torch
@@ -148,14 +147,17 @@ def table(repeats: int = 15) -> list[str]:
     """Table 4 lines: the CPU backend's worker vs memcpy for one 1, 8 or 64 MB entry
     per step, and for a step of 16 entries of 1 MB."""
     torch.set_num_threads(1)
-    region_dir = tempfile.mkdtemp(
-        prefix="ec-bench-region-", dir=SHM if os.path.isdir(SHM) else None
-    )
-    model_dir = write_config_only(
-        tempfile.mkdtemp(prefix="ec-bench-model-"), TinyBlip2(text_hidden=WIDTH)
-    )
+    shm = SHM if os.path.isdir(SHM) else None
+    with (
+        tempfile.TemporaryDirectory(prefix="ec-bench-region-", dir=shm) as region_dir,
+        tempfile.TemporaryDirectory(prefix="ec-bench-model-") as model_dir,
+    ):
+        return _table(repeats, region_dir, model_dir)
+
+
+def _table(repeats: int, region_dir: str, model_dir: str) -> list[str]:
     config = make_vllm_config(
-        model_dir,
+        write_config_only(model_dir, TinyBlip2(text_hidden=WIDTH)),
         dtype="bfloat16",
         extra={"ec_cpu_bytes": f"{2 * max(SIZES_MB) + 8}MiB", "ec_cpu_dir": region_dir},
     )
@@ -178,8 +180,6 @@ def table(repeats: int = 15) -> list[str]:
         lines.extend(measure(worker, BATCH[1], repeats, count=BATCH[0]))
     finally:
         worker.shutdown()
-        shutil.rmtree(region_dir, ignore_errors=True)
-        shutil.rmtree(model_dir, ignore_errors=True)
     return lines
 
 

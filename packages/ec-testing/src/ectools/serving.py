@@ -194,8 +194,8 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
     The whole group is waited for, not only its leader (the API server): its engine
     core and workers, in the same group, may still be shutting down (a worker
-    removes its region file then) when the leader has exited. The shared memory
-    vLLM's processes had made is removed if a SIGKILL left it (`ectools.shm_leftovers`).
+    removes its region file then) when the leader has exited. Whatever is left of
+    the shared memory vLLM's processes had made is removed then (`ectools.shm_leftovers`).
     """
     leftovers = {proc.pid: shm_leftovers.mapped_by_group(proc.pid) for proc in procs}
     for proc in procs:

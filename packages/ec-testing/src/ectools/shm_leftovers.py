@@ -1,22 +1,26 @@
 """The POSIX shared memory a vLLM engine's processes made, found by process group.
 
-vLLM's processes share their message queues and multimodal caches through Python's
-`multiprocessing.shared_memory` (files `/dev/shm/psm_*`) and lock them with its
-named semaphores (`/dev/shm/sem.mp-*`). A clean exit unlinks them; a SIGKILLed
-engine cannot, and each one leaves about 400 MiB of (sparse) files in /dev/shm until
-the machine restarts. The tests and benchmarks that SIGKILL an engine's process
-group on purpose remove them afterwards: `mapped_by_group` before the kill, then
-`remove` once it is done.
+vLLM's multiprocess executor passes its messages through queues in Python's
+`multiprocessing.shared_memory` (files `/dev/shm/psm_*`: a broadcast queue of
+160 MiB and a response queue of 240 MiB per worker, sparse) and guards its workers
+with a named semaphore of the spawn context (`/dev/shm/sem.mp-*`). A clean exit
+unlinks them, and so does Python's resource tracker once the processes that made
+them are gone; but a SIGKILL of the whole process group, the tests' way to kill
+an engine, takes the tracker too, and the files stay until the machine restarts.
+The tests and benchmarks that SIGKILL an engine's group remove them afterwards:
+`mapped_by_group` while its processes run, then `remove` once they are dead.
 
-Only files some process of the group has mapped are taken, so another engine's,
-or the region files the tier's own tests look for, are never touched.
+Only files some process of the group mapped are taken, each by its inode, so
+another engine's, and the region files the tier's own tests look for, are never
+touched. vLLM's shared-memory multimodal cache (`vllm_mm_*`, only with
+`mm_processor_cache_type="shm"`) is not looked for: no test uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -24,32 +28,34 @@ PREFIXES = ("psm_", "sem.mp-")
 """Python's names for its shared-memory segments and its named semaphores."""
 
 
-def mapped_by_group(pgid: int) -> set[Path]:
-    """The files of `PREFIXES` in `SHM` that a process of group `pgid` maps now.
+def mapped_by_group(pgid: int) -> dict[Path, int]:
+    """The files of `PREFIXES` in `SHM` that a process of group `pgid` maps now,
+    with their inodes. Never raises: what cannot be read is left out (empty where
+    there is no `/proc`), so a caller about to kill the group always gets to.
 
-    They are matched by inode, not by the name in `/proc/<pid>/maps`: glibc makes a
-    named semaphore under a temporary name, maps it, then links it to its real name
-    and unlinks the temporary one, so its mapping reads as a deleted file. Empty
-    where there is no `/proc`."""
+    Files are matched by inode, not by the name in `/proc/<pid>/maps`: glibc makes
+    a named semaphore under a temporary name, maps it, then links it to its real
+    name and unlinks the temporary one, so its mapping reads as a deleted file."""
     inodes: set[int] = set()
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
+    try:
+        pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            if os.getpgid(int(pid)) != pgid:
                 continue
-            try:
-                if os.getpgid(int(entry.name)) != pgid:
-                    continue
-                with open(f"/proc/{entry.name}/maps") as maps:
-                    inodes.update(_shm_inodes(maps))
-            except OSError:  # it exited while we looked (or is not ours to read)
-                continue
-    if not inodes:
-        return set()
-    found: set[Path] = set()
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(SHM):
-            if entry.name.startswith(PREFIXES) and entry.inode() in inodes:
-                found.add(Path(entry.path))
+            # (paths in maps need not be UTF-8)
+            with open(f"/proc/{pid}/maps", errors="surrogateescape") as maps:
+                inodes.update(_shm_inodes(maps))
+        except OSError:  # it exited while we looked, or is not ours to read
+            continue
+    found: dict[Path, int] = {}
+    if inodes:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(SHM):
+                if entry.name.startswith(PREFIXES) and entry.inode() in inodes:
+                    found[Path(entry.path)] = entry.inode()
     return found
 
 
@@ -61,9 +67,10 @@ def _shm_inodes(maps: Iterable[str]) -> Iterator[int]:
             yield int(fields[4])
 
 
-def remove(paths: Iterable[Path]) -> None:
-    """Unlink each of `paths` still there (a process that still maps one keeps its
-    memory until it exits)."""
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+def remove(leftovers: Mapping[Path, int]) -> None:
+    """Unlink each path of `leftovers` that still names the same inode (a process
+    that still maps one keeps its memory until it exits)."""
+    for path, inode in leftovers.items():
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                path.unlink()
