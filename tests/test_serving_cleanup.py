@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ectools import serving
+from ectools.process_groups import process_state
 
 
 def _gone(pid: int, within_s: float = 60.0) -> bool:
@@ -18,7 +19,7 @@ def _gone(pid: int, within_s: float = 60.0) -> bool:
     `within_s` (CI slack: a killed process normally goes within milliseconds)."""
     deadline = time.monotonic() + within_s
     while True:
-        found = serving.process_state(pid)
+        found = process_state(pid)
         if found is None or found[0] == "Z":
             return True
         if time.monotonic() > deadline:
@@ -74,6 +75,7 @@ def test_stop_lets_the_whole_group_finish_its_shutdown(tmp_path: Path) -> None:
 SCRIPT = """
 import subprocess, sys, time
 from ectools import serving
+from ectools.process_groups import process_state
 serving.exit_on_termination()
 procs = []
 try:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ectools import shm_leftovers
 from ectools.engine import engine_env
+from ectools.process_groups import live_members
 
 PROMPT = "Question: what is in the picture? Answer:"
 CHAT_TEMPLATE = (
@@ -164,28 +165,9 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
-def process_state(pid: int) -> tuple[str, int] | None:
-    """The state letter (`R`, `S`, `Z`, ...) and process group of process `pid`,
-    from `/proc/<pid>/stat`; None when there is no such process (any more)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # no such process, or it ended while we looked
-        return None
-    # The command name, in parentheses, may hold spaces and parentheses itself.
-    state, _parent, group = text[text.rfind(")") + 2 :].split()[:3]
-    return state, int(group)
-
-
 def _group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` is still running (a zombie, which holds no
-    memory, file or lock any more, does not count)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        found = process_state(int(entry.name))
-        if found is not None and found[1] == pgid and found[0] != "Z":
-            return True
-    return False
+    """Whether a process of group `pgid` is still running (not a zombie)."""
+    return next(live_members(pgid), None) is not None
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:

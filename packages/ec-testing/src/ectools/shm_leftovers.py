@@ -23,6 +23,8 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from ectools.process_groups import live_members
+
 SHM = Path("/dev/shm")
 PREFIXES = ("psm_", "sem.mp-")
 """Python's names for its shared-memory segments and its named semaphores."""
@@ -37,19 +39,13 @@ def mapped_by_group(pgid: int) -> dict[Path, int]:
     a named semaphore under a temporary name, maps it, then links it to its real
     name and unlinks the temporary one, so its mapping reads as a deleted file."""
     inodes: set[int] = set()
-    try:
-        pids = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    except OSError:
-        return {}
-    for pid in pids:
-        try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
-            # (paths in maps need not be UTF-8)
-            with open(f"/proc/{pid}/maps", errors="surrogateescape") as maps:
-                inodes.update(_shm_inodes(maps))
-        except OSError:  # it exited while we looked, or is not ours to read
-            continue
+    for pid in live_members(pgid):
+        # (paths in maps need not be UTF-8)
+        with (
+            contextlib.suppress(OSError),  # it exited while we looked, or is not ours
+            open(f"/proc/{pid}/maps", errors="surrogateescape") as maps,
+        ):
+            inodes.update(_shm_inodes(maps))
     found: dict[Path, int] = {}
     if inodes:
         with contextlib.suppress(OSError):
