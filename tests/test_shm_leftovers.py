@@ -35,7 +35,7 @@ flags = sys.argv[1:]
 if "--ignore-term" in flags:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a server that does not shut down
 segment = shared_memory.SharedMemory(create=True, size=1 << 16)
-lock = multiprocessing.get_context("spawn").Lock()  # named: /dev/shm/sem.mp-*
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore: sem.mp-*
 child = subprocess.Popen(
     [sys.executable, "-c", {CHILD!r}, *flags], stdout=subprocess.PIPE, text=True
 )
@@ -140,12 +140,15 @@ def test_a_name_that_names_another_file_by_then_is_left(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def test_the_inodes_of_mapped_files_in_dev_shm_are_read_deleted_names_included() -> None:
+def test_the_inodes_of_mapped_files_in_shm_are_read_deleted_names_included(
+    tmp_path: Path,
+) -> None:
+    shm = shm_leftovers.SHM
     maps = [
-        "7f00-7f10 rw-s 00000000 00:1a 101 /dev/shm/psm_1a2b3c\n",
-        "7f10-7f20 rw-s 00000000 00:1a 102 /dev/shm/sem.Xk3j9a (deleted)\n",
-        "7f20-7f30 rw-s 00000000 08:01 103 /tmp/psm_elsewhere\n",
+        f"7f00-7f10 rw-s 00000000 00:1a 101 {shm / 'psm_1a2b3c'}\n",
+        f"7f10-7f20 rw-s 00000000 00:1a 102 {shm / 'sem.Xk3j9a'} (deleted)\n",
+        f"7f20-7f30 rw-s 00000000 08:01 103 {tmp_path / 'psm_elsewhere'}\n",
         "7f30-7f40 rw-p 00000000 00:00 0 \n",
-        "7f40-7f50 r-xp 00000000 08:01 104 /usr/lib/libc.so.6\n",
+        f"7f40-7f50 r-xp 00000000 08:01 104 {tmp_path / 'libc.so.6'}\n",
     ]
     assert list(shm_leftovers._shm_inodes(maps)) == [101, 102]
