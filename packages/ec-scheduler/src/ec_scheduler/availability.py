@@ -150,12 +150,39 @@ class Availability:
         """
         if request.request_id in self.unavailable:
             return False
-        if remote is None:
-            if self._retire_stale_of(request, num_computed_tokens, suffix):
-                return True  # every item carries its input
-        elif not self._ask_remote(request, num_computed_tokens, remote, suffix):
-            return False
-        return self._all_supplied(request, num_computed_tokens, suffix)
+        if remote is not None:
+            if not self._ask_remote(request, num_computed_tokens, remote, suffix):
+                return False
+            return self._all_supplied(request, num_computed_tokens, suffix)
+        # Without a remote source: retire the request's stale entries, and learn
+        # whether every item carries its input (else `_all_supplied` must look
+        # further). This runs for every request vLLM looks at in every step, so
+        # it is one loop, with the usual answers tested inline: an item of a
+        # modality without metadata-only fields that has data carries its input
+        # (`ItemInputs.carries_input`), and a ready entry with the item's row
+        # count is not stale (`_holds`).
+        entries = self.allocator.get
+        plain = self.inputs.plain
+        all_carry = True
+        for feature in request.mm_features:
+            if all_carry and not (feature.modality in plain and feature.data):
+                all_carry = self.inputs.carries_input(feature)
+            entry = entries(feature.identifier + suffix if suffix else feature.identifier)
+            if entry is None:
+                continue
+            position = feature.mm_position
+            if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
+                continue  # already consumed by the model; will not be looked up
+            shape = entry.shape
+            if (
+                entry.ready
+                and shape is not None
+                and position.is_embed is None  # (`num_embeds` is then its length)
+                and shape[0] == position.length
+            ):
+                continue
+            self._holds(entry, num_embeds(position), request.request_id)
+        return all_carry or self._all_supplied(request, num_computed_tokens, suffix)
 
     def take_unavailable(self) -> set[str]:
         """The requests found unavailable since the last call (each once)."""
@@ -207,27 +234,6 @@ class Availability:
             )
             return False
         return True
-
-    def _retire_stale_of(self, request: Request, num_computed_tokens: int, suffix: str) -> bool:
-        """Without a remote source: retire the request's stale entries; whether every
-        item carries its input (else `_all_supplied` must look further; one loop for
-        both in the usual case)."""
-        entries = self.allocator.get
-        carries_input = self.inputs.carries_input
-        plain = self.inputs.plain
-        all_carry = True
-        for feature in request.mm_features:
-            # `carries_input`, with its usual answer inline: this runs for every item.
-            if all_carry and not (feature.modality in plain and feature.data):
-                all_carry = carries_input(feature)
-            entry = entries(feature.identifier + suffix if suffix else feature.identifier)
-            if entry is None:
-                continue
-            position = feature.mm_position
-            if num_computed_tokens and position.offset + position.length <= num_computed_tokens:
-                continue  # already consumed by the model; will not be looked up
-            self._holds(entry, num_embeds(position), request.request_id)
-        return all_carry
 
     def _ask_remote(
         self, request: Request, num_computed_tokens: int, remote: RemoteSource, suffix: str
