@@ -6,8 +6,9 @@ also reports, each step, the step up to which all its copies have *settled*
 (landed, or failed and said so), so a copy whose own report was lost still
 settles once each live rank has moved past it.
 
-Records are kept in dispatch order, so settling and finding overdue copies
-cost O(settled + overdue), never O(in flight).
+Records are kept per step, in dispatch order: a save in flight costs one
+dictionary entry, a load one small record, and settling or finding overdue
+copies costs O(steps settled + copies settled or overdue), never O(in flight).
 """
 
 from __future__ import annotations
@@ -35,48 +36,53 @@ class ReportBound:
 
 
 @dataclass(eq=False, slots=True)
-class SaveFlight:
-    """The save of `key` asked for in metadata step `step`."""
+class StepCopies:
+    """The copies of one metadata step: they started together, so their reports are
+    past the bound together. `pending` counts the ones not settled yet."""
 
-    key: str
     step: int
     worker_step: int
     started: float
+    saves: tuple[str, ...]
+    loads: list[LoadFlight]
+    pending: int
     overdue: bool = False
-    done: bool = False
 
 
 @dataclass(eq=False, slots=True)
 class LoadFlight:
-    """The load of `key` under transfer id `tid`; `acked` holds the ranks that reported it."""
+    """The load of `key` under transfer id `tid`, one of `copies`; `acked` holds the
+    ranks that reported it."""
 
     key: str
     tid: int
-    step: int
-    worker_step: int
-    started: float
+    copies: StepCopies
     acked: set[int] = field(default_factory=set)
-    overdue: bool = False
-    done: bool = False
-
-
-Flight = SaveFlight | LoadFlight
 
 
 class Flights:
-    """The saves in flight (one per key) and loads in flight (by transfer id)."""
+    """The saves in flight (by key: the step's copies it is one of) and the loads in
+    flight (by transfer id).
+
+    Guarantees: `saves` and `loads` hold exactly the copies not settled yet (a
+    caller settles a copy by `finish_save` or `finish_load`, once);
+    `num_awaited` counts those of them not overdue; a step's record stays in
+    the dispatch-order queues only until its copies have settled or it is
+    yielded (`through`, `overdue`), so they hold at most the steps with copies
+    in flight, plus the ones settled since the last step.
+    """
 
     def __init__(self, bound: ReportBound, clock: Callable[[], float] = time.monotonic) -> None:
         self.bound = bound
         self.clock = clock
-        self.saves: dict[str, SaveFlight] = {}
+        self.saves: dict[str, StepCopies] = {}
         self.loads: dict[int, LoadFlight] = {}
-        self._by_step: deque[Flight] = deque()
-        """Every flight not yet settled, in dispatch order (steps never decrease)."""
-        self._awaited: deque[Flight] = deque()
-        """Flights not yet overdue, in dispatch order (for the report bound)."""
+        self._by_step: deque[StepCopies] = deque()
+        """Steps with copies not settled, in dispatch order (steps never decrease)."""
+        self._awaited: deque[StepCopies] = deque()
+        """Steps not yet overdue, in dispatch order (for the report bound)."""
         self.num_awaited = 0
-        """Flights neither settled nor overdue: the ones worth stepping for."""
+        """Copies neither settled nor overdue: the ones worth stepping for."""
 
     def __bool__(self) -> bool:
         return bool(self.saves or self.loads)
@@ -89,59 +95,80 @@ class Flights:
         worker_step: int,
     ) -> None:
         """Put one step's copies in flight, all started now: a save per key of
-        `saves` (replacing an earlier record of that key), then a load per item
-        of `loads` (key to `(tid, ...)`, as in the metadata)."""
-        now = self.clock()
-        by_step, awaited = self._by_step, self._awaited
-        flight: Flight
-        for key in saves:
-            flight = SaveFlight(key, step, worker_step, now)
-            self.saves[key] = flight
-            by_step.append(flight)
-            awaited.append(flight)
-        for key, (tid, _, _) in loads.items():
-            flight = LoadFlight(key, tid, step, worker_step, now)
-            self.loads[tid] = flight
-            by_step.append(flight)
-            awaited.append(flight)
-        self.num_awaited += len(saves) + len(loads)
-
-    def finish(self, flight: Flight) -> None:
-        """Forget a flight that settled (its deque records are dropped lazily)."""
-        if flight.done:
+        `saves` (an earlier save of that key still in flight is forgotten, as if
+        it had settled: the allocator holds a save's entry until then, so the
+        scheduler never saves its key again before), then a load per item of
+        `loads` (key to `(tid, ...)`, as in the metadata)."""
+        count = len(saves) + len(loads)
+        if not count:
             return
-        flight.done = True
-        if not flight.overdue:
+        copies = StepCopies(step, worker_step, self.clock(), tuple(saves), [], count)
+        if not self.saves.keys().isdisjoint(copies.saves):
+            for key in self.saves.keys() & set(copies.saves):
+                self.finish_save(key)
+        self.saves.update(dict.fromkeys(copies.saves, copies))
+        in_flight, listed = self.loads, copies.loads
+        for key, (tid, _, _) in loads.items():
+            flight = LoadFlight(key, tid, copies)
+            in_flight[tid] = flight
+            listed.append(flight)
+        self._by_step.append(copies)
+        self._awaited.append(copies)
+        self.num_awaited += count
+
+    def finish_save(self, key: str) -> None:
+        """Forget the save of `key`, which settled (it must be in `saves`)."""
+        copies = self.saves.pop(key)
+        copies.pending -= 1
+        if not copies.overdue:
             self.num_awaited -= 1
-        if isinstance(flight, SaveFlight):
-            del self.saves[flight.key]
-        else:
-            del self.loads[flight.tid]
 
-    def through(self, step: int) -> Iterator[Flight]:
-        """Yield, oldest first, each unfinished flight asked for in a step `<= step`.
+    def finish_load(self, flight: LoadFlight) -> None:
+        """Forget a load that settled (it must be in `loads`)."""
+        del self.loads[flight.tid]
+        copies = flight.copies
+        copies.pending -= 1
+        if not copies.overdue:
+            self.num_awaited -= 1
 
-        The caller settles (and `finish`es) every flight it is given.
+    def unsettled_saves(self, copies: StepCopies) -> list[str]:
+        """The keys of `copies`' saves still in flight."""
+        in_flight = self.saves
+        return [key for key in copies.saves if in_flight.get(key) is copies]
+
+    def unsettled_loads(self, copies: StepCopies) -> list[LoadFlight]:
+        """`copies`' loads still in flight."""
+        in_flight = self.loads
+        return [flight for flight in copies.loads if in_flight.get(flight.tid) is flight]
+
+    def through(self, step: int) -> Iterator[StepCopies]:
+        """Yield, oldest first, each step `<= step` with copies not settled (steps whose
+        copies have all settled are dropped on the way).
+
+        The caller settles every copy `unsettled_saves` and `unsettled_loads` name.
         """
         order = self._by_step
-        while order and (order[0].done or order[0].step <= step):
-            flight = order.popleft()
-            if not flight.done:
-                yield flight
+        while order and (not order[0].pending or order[0].step <= step):
+            copies = order.popleft()
+            if copies.pending:
+                yield copies
 
-    def overdue(self, worker_step: int) -> Iterator[Flight]:
-        """Mark and yield, oldest first, each flight whose report is past the bound."""
-        now = self.clock()
+    def overdue(self, worker_step: int) -> Iterator[StepCopies]:
+        """Mark overdue and yield, oldest first, each step with copies not settled whose
+        reports are past the bound."""
         order = self._awaited
+        if not order:
+            return
+        now = self.clock()
         while order:
-            flight = order[0]
-            if not flight.done:
-                if not self.bound.expired(flight.worker_step, flight.started, worker_step, now):
+            copies = order[0]
+            if copies.pending:
+                if not self.bound.expired(copies.worker_step, copies.started, worker_step, now):
                     return
-                flight.overdue = True
-                self.num_awaited -= 1
+                copies.overdue = True
+                self.num_awaited -= copies.pending
                 order.popleft()
-                yield flight
+                yield copies
             else:
                 order.popleft()
 
@@ -188,14 +215,17 @@ class Ranks:
         """Record one report's `(rank, step, settled)` entries; return ranks that were gone."""
         now = self.clock()
         back = []
+        if progress and group_size > self.expected:
+            self.expected = group_size
+        ranks_settled, ran = self.settled, self._ran
         for rank, step, settled in progress:
-            self.expected = max(self.expected, group_size)
-            self.settled[rank] = max(self.settled.get(rank, settled), settled)
+            before = ranks_settled.get(rank, settled)
+            ranks_settled[rank] = before if before > settled else settled
             if self._first is None:
                 self._first = (step, now)
-            previous = self._ran.get(rank)
+            previous = ran.get(rank)
             if previous is None or step > previous[0]:
-                self._ran[rank] = (step, now)
+                ran[rank] = (step, now)
             self._newest = max(self._newest, step)
             self.live.add(rank)
             if rank in self.gone:
@@ -222,7 +252,7 @@ class Ranks:
         """
         if not self.live or not self.all_heard():
             return None
-        return min(self.settled[rank] for rank in self.live)
+        return min(map(self.settled.__getitem__, self.live))
 
     def missing(self) -> int:
         """How many announced ranks never reported, once that has lasted past the bound.
@@ -239,10 +269,14 @@ class Ranks:
 
     def silent(self) -> list[int]:
         """Declare gone, and return, the live ranks silent past the bound."""
+        newest, ran = self._newest, self._ran
+        # The step half of the bound first: in the usual step every rank has just
+        # reported, and the clock is not read.
+        lagging = [rank for rank in self.live if newest - ran[rank][0] > self.bound.steps]
+        if not lagging:
+            return lagging
         now = self.clock()
-        newly = [
-            rank for rank in self.live if self.bound.expired(*self._ran[rank], self._newest, now)
-        ]
+        newly = [rank for rank in lagging if self.bound.expired(*ran[rank], newest, now)]
         for rank in newly:
             self.live.discard(rank)
             self.gone.add(rank)

@@ -14,7 +14,7 @@ from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
 from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.scheduler_process.allocator import BlockAllocator
 from ec_scheduler.counters import SchedulerCounters
-from ec_scheduler.flights import Flight, Flights, LoadFlight, Ranks, ReportBound, SaveFlight
+from ec_scheduler.flights import Flights, LoadFlight, Ranks, ReportBound
 
 logger = get_logger(__name__)
 
@@ -82,12 +82,12 @@ class Settlement:
                 "handed to it meanwhile were not waited for",
                 rank,
             )
-        for rank, step, key in report.save_acks:
-            self._save_reported(key, step, rank, ok=True)
-        for rank, step, key in report.failed_saves:
-            self._save_reported(key, step, rank, ok=False)
-        for rank, tid in report.load_acks:
-            self._load_reported(tid, rank)
+        if report.save_acks:
+            self._saves_reported(report.save_acks, True)
+        if report.failed_saves:
+            self._saves_reported(report.failed_saves, False)
+        if report.load_acks:
+            self._loads_reported(report.load_acks)
         for rank, kind in report.fallbacks:
             per_rank = (
                 self.counters.save_fallbacks_by_rank
@@ -98,41 +98,56 @@ class Settlement:
         self._retire_silent_ranks()
         self._settle_through_floor()
 
-    def _save_reported(self, key: str, step: int, rank: int, *, ok: bool) -> None:
-        flight = self.flights.saves.get(key)
-        if flight is None or flight.step != step:
-            self.counters.reports_ignored += 1
-            return
-        self._settle_save(flight, ok=ok, rank=rank)
+    def _saves_reported(self, reports: list[tuple[int, int, str]], ok: bool) -> None:
+        """Settle the save each `(rank, step, key)` names, landed (`ok`) or failed; a
+        report of no save in flight (unknown, or of another step's save) is counted
+        and ignored."""
+        in_flight = self.flights.saves
+        for rank, step, key in reports:
+            copies = in_flight.get(key)
+            if copies is None or copies.step != step:
+                self.counters.reports_ignored += 1
+            else:
+                self._settle_save(key, ok, rank)
 
-    def _load_reported(self, tid: int, rank: int) -> None:
-        flight = self.flights.loads.get(tid)
-        if flight is None or rank in flight.acked:
-            self.counters.reports_ignored += 1
-            return
-        flight.acked.add(rank)
-        loads = self.counters.loads_by_rank
-        loads[rank] = loads.get(rank, 0) + 1
-        if self.ranks.all_acked(flight.acked):
-            self._complete_load(flight)
+    def _loads_reported(self, acks: list[tuple[int, int]]) -> None:
+        """Record each `(rank, tid)` load report; a load every rank that may still run
+        it has reported is complete."""
+        in_flight = self.flights.loads
+        counters = self.counters
+        by_rank = counters.loads_by_rank
+        ranks = self.ranks
+        for rank, tid in acks:
+            flight = in_flight.get(tid)
+            if flight is None or rank in flight.acked:
+                counters.reports_ignored += 1
+                continue
+            acked = flight.acked
+            acked.add(rank)
+            by_rank[rank] = by_rank.get(rank, 0) + 1
+            if ranks.all_acked(acked):
+                self._complete_load(flight)
 
     # -------------------------------------------------------------- settling
 
-    def _settle_save(self, flight: SaveFlight, *, ok: bool | None, rank: int | None = None) -> None:
-        """`ok`: landed (True), failed (False), or settled without a report (None)."""
-        self.flights.finish(flight)
-        entry = self.allocator.get(flight.key)
+    def _settle_save(self, key: str, ok: bool | None, rank: int | None = None) -> None:
+        """Settle the save of `key` in flight. `ok`: landed (True), failed (False), or
+        settled without a report (None)."""
+        self.flights.finish_save(key)
+        allocator = self.allocator
+        entry = allocator.get(key)
         if entry is None or entry.ready:  # gone since (shutdown); nothing to do
             self.counters.reports_ignored += 1
             return
         if ok:
-            self.allocator.mark_ready(flight.key)
-            self.counters.saves_completed += 1
+            allocator.mark_entry_ready(entry)
+            counters = self.counters
+            counters.saves_completed += 1
             if rank is not None:
-                saves = self.counters.saves_by_rank
+                saves = counters.saves_by_rank
                 saves[rank] = saves.get(rank, 0) + 1
             return
-        self.allocator.discard(flight.key)
+        allocator.discard(key)
         if ok is None:
             self.counters.reports_lost += 1
         else:
@@ -141,7 +156,7 @@ class Settlement:
     def _complete_load(self, flight: LoadFlight) -> None:
         # Finish the record before releasing the pin: a replayed report then
         # finds nothing and cannot release a later load's pin.
-        self.flights.finish(flight)
+        self.flights.finish_load(flight)
         self._release_pin(flight.key)
         self.counters.loads_completed += 1
 
@@ -156,21 +171,27 @@ class Settlement:
         floor = self.ranks.floor()
         if floor is None:
             return
-        for flight in self.flights.through(floor):
-            self._settle(flight)
-
-    def _settle(self, flight: Flight) -> None:
-        if isinstance(flight, SaveFlight):
-            self._settle_save(flight, ok=None)
-        else:
-            self._settle_load(flight)
+        flights = self.flights
+        for copies in flights.through(floor):
+            for key in flights.unsettled_saves(copies):
+                self._settle_save(key, None)
+            for load in flights.unsettled_loads(copies):
+                self._settle_load(load)
 
     # ------------------------------------------------------------ each step
 
     def on_worker_step(self, worker_step: int) -> None:
         """Mark the copies whose reports are past the bound overdue."""
-        for flight in self.flights.overdue(worker_step):
-            self._note_overdue(flight)
+        flights = self.flights
+        for copies in flights.overdue(worker_step):
+            for key in flights.unsettled_saves(copies):
+                self.counters.saves_reclaimed += 1
+                self._warn_overdue(f"the save of {key}")
+            for load in flights.unsettled_loads(copies):
+                self.counters.loads_reclaimed += 1
+                self._warn_overdue(
+                    f"load {load.tid} of {load.key} ({len(load.acked)} ranks reported)"
+                )
 
     def _retire_silent_ranks(self) -> None:
         missing = self.ranks.missing()
@@ -197,13 +218,7 @@ class Settlement:
         for load in [f for f in self.flights.loads.values() if acked(f.acked)]:
             self._complete_load(load)
 
-    def _note_overdue(self, flight: Flight) -> None:
-        if isinstance(flight, SaveFlight):
-            self.counters.saves_reclaimed += 1
-            what = f"the save of {flight.key}"
-        else:
-            self.counters.loads_reclaimed += 1
-            what = f"load {flight.tid} of {flight.key} ({len(flight.acked)} ranks reported)"
+    def _warn_overdue(self, what: str) -> None:
         self._warnings.warn(
             "overdue",
             "EC CPU tier: %s is unreported after %d worker steps and %.1f s; its blocks "

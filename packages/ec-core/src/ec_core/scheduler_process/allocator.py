@@ -408,9 +408,12 @@ class BlockAllocator:
 
     def mark_ready(self, key: str) -> Entry:
         """A not-ready entry's bytes are in place: make it loadable and evictable."""
-        entry = self._require(key)
+        return self.mark_entry_ready(self._require(key))
+
+    def mark_entry_ready(self, entry: Entry) -> Entry:
+        """`mark_ready`, given the entry itself (it must be this allocator's)."""
         if entry.ready:
-            raise AllocatorError(f"entry {key!r} is already ready")
+            raise AllocatorError(f"entry {entry.key!r} is already ready")
         entry.ready = True
         self._became_evictable(entry)
         return entry
