@@ -244,10 +244,12 @@ class WTinyLFUPolicy(FirstSightingGate):
             self._grow_sketch()
         sampled = not digest & self._shadow_mask
         # A held key outside the hash sample whose blocks, weighed up by the
-        # sampling rate, stay below `_big_blocks` is in neither shadow: skip
-        # their lookups (`_thin_shadows` says why it cannot be there).
+        # rates its key was in the sample at, stay below `_big_blocks` is in
+        # neither shadow: skip their lookups (`_thin_shadows` says why it cannot
+        # be there). Outside the sample, `digest` has a low bit set, and its
+        # trailing zero bits are the highest such rate.
         big = self._big_blocks
-        if sampled or self._blocks.get(key, big) << self.shadow_rate_bits >= big:
+        if sampled or self._blocks.get(key, big) << (digest & -digest).bit_length() - 1 >= big:
             self._shadow_request(key, sampled)
         if key in self._refused.sizes:
             self._refused.pop(key)
@@ -454,6 +456,8 @@ class WTinyLFUPolicy(FirstSightingGate):
         """The size of the last requested key, a miss everywhere: the shadows save
         it if they follow it."""
         self._unsized = None
+        if not self._unsized_sampled and blocks < self._big_blocks:
+            return  # `_shadow_blocks` would say None (most misses, once the shadows sample)
         weight = self._shadow_blocks(blocks, self._unsized_sampled)
         if weight is not None:
             self._lru.insert(key, weight)
@@ -505,15 +509,21 @@ class WTinyLFUPolicy(FirstSightingGate):
         `max_shadow_entries` keys, whatever the pool holds. O(shadow entries),
         at most 32 times in a policy's life.
 
-        So a shadow entry weighs its blocks times at most 2**`shadow_rate_bits`,
-        and one that weighs less than `_big_blocks` is in the current hash
-        sample: a key of `blocks` blocks outside the sample, with `blocks <<
-        shadow_rate_bits` below `_big_blocks`, is in neither shadow (what
-        `on_request` relies on to skip them)."""
+        So a shadow entry weighs its blocks, or its blocks times 2**r for a rate
+        r at which its key was in the hash sample (r up to the number of
+        trailing zero bits of its hash, and up to `shadow_rate_bits`), and one
+        that weighs less than `_big_blocks` is in the current hash sample: a key
+        of `blocks` blocks outside the sample, with `blocks << r` below
+        `_big_blocks` for its hash's r, is in neither shadow (what `on_request`
+        relies on to skip them). An item whose size changed under the same key
+        may be missed then: the shadows are estimates, nothing depends on their
+        exactness but the guard's."""
         if self.shadow_rate_bits >= 32:
             return
         self.shadow_rate_bits += 1
         mask = self._shadow_mask = (1 << self.shadow_rate_bits) - 1
+        if self._unsized is not None:  # its weight, when it comes, is at the new rate
+            self._unsized_sampled = self._unsized_sampled and self._in_hash_sample(self._unsized)
         big = self._big_blocks
 
         def weight(key: str, blocks: int) -> int | None:
