@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from ec_scheduler.flights import Flights, ReportBound
 
 
@@ -71,3 +73,22 @@ def test_a_save_dispatched_again_while_in_flight_replaces_the_earlier_one() -> N
     flights.finish_save("a")
     assert flights.num_awaited == 0 and not flights
     assert list(flights.through(5)) == [] and not flights._by_step
+
+
+def test_settled_steps_leave_no_cyclic_garbage() -> None:
+    """A step's records are freed by reference counting once its copies settle: none
+    waits for the cyclic garbage collector (a load's record points to its step, and
+    the step names its loads by transfer id only)."""
+    flights = Flights(ReportBound(steps=2, seconds=0))
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(1, 201):
+            flights.start_step([f"s{step}"], loads_of((f"l{step}", step)), step, step)
+            flights.finish_save(f"s{step}")
+            flights.finish_load(flights.loads[step])
+            assert list(flights.through(step)) == []
+            assert list(flights.overdue(step)) == []
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -44,7 +44,9 @@ class StepCopies:
     worker_step: int
     started: float
     saves: tuple[str, ...]
-    loads: list[LoadFlight]
+    tids: list[int]
+    """The transfer ids of its loads (not the records: they point here, and a cycle
+    would leave each step to the cyclic garbage collector)."""
     pending: int
     overdue: bool = False
 
@@ -65,11 +67,14 @@ class Flights:
     flight (by transfer id).
 
     Guarantees: `saves` and `loads` hold exactly the copies not settled yet (a
-    caller settles a copy by `finish_save` or `finish_load`, once);
-    `num_awaited` counts those of them not overdue; a step's record stays in
-    the dispatch-order queues only until its copies have settled or it is
-    yielded (`through`, `overdue`), so they hold at most the steps with copies
-    in flight, plus the ones settled since the last step.
+    caller settles a copy by `finish_save` or `finish_load`, once); `num_awaited`
+    counts those of them not overdue; a step without copies leaves no record.
+    The dispatch-order queues drop a step's record from their front only: one
+    queue once the step is yielded by `through` or has settled, the other once
+    it is yielded by `overdue` or has settled. So behind a step whose copies
+    stay unsettled (a rank that has not reported yet, or one past the report
+    bound that has not been given up on), the records of later steps wait, one
+    per step with copies, until that step settles.
     """
 
     def __init__(self, bound: ReportBound, clock: Callable[[], float] = time.monotonic) -> None:
@@ -107,11 +112,10 @@ class Flights:
             for key in self.saves.keys() & set(copies.saves):
                 self.finish_save(key)
         self.saves.update(dict.fromkeys(copies.saves, copies))
-        in_flight, listed = self.loads, copies.loads
+        in_flight, tids = self.loads, copies.tids
         for key, (tid, _, _) in loads.items():
-            flight = LoadFlight(key, tid, copies)
-            in_flight[tid] = flight
-            listed.append(flight)
+            in_flight[tid] = LoadFlight(key, tid, copies)
+            tids.append(tid)
         self._by_step.append(copies)
         self._awaited.append(copies)
         self.num_awaited += count
@@ -137,9 +141,10 @@ class Flights:
         return [key for key in copies.saves if in_flight.get(key) is copies]
 
     def unsettled_loads(self, copies: StepCopies) -> list[LoadFlight]:
-        """`copies`' loads still in flight."""
+        """`copies`' loads still in flight (a transfer id is minted per dispatch, so the
+        record under one of its ids is its own)."""
         in_flight = self.loads
-        return [flight for flight in copies.loads if in_flight.get(flight.tid) is flight]
+        return [flight for tid in copies.tids if (flight := in_flight.get(tid)) is not None]
 
     def through(self, step: int) -> Iterator[StepCopies]:
         """Yield, oldest first, each step `<= step` with copies not settled (steps whose
