@@ -8,6 +8,7 @@ key the allocator removed (beyond its bounded ghost lists).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 import zlib
@@ -222,24 +223,136 @@ def test_sketch_ages_by_halving() -> None:
     assert sketch.estimate("hot") <= before // 2 + 1
 
 
-@settings(max_examples=40, deadline=None)
-@given(trace=st.lists(st.integers(0, 80), min_size=50, max_size=400))
-def test_a_small_held_key_outside_the_hash_sample_is_in_no_shadow(trace: list[int]) -> None:
+def _record_shadow_requests(policy: WTinyLFUPolicy) -> list[str]:
+    """The keys of the requests that reach the policy's shadows, from now on (the
+    caller clears the list when it likes)."""
+    reached: list[str] = []
+    shadow_request = policy._shadow_request
+
+    def recording(key: str, sampled: bool) -> None:
+        reached.append(key)
+        shadow_request(key, sampled)
+
+    policy._shadow_request = recording  # type: ignore[method-assign]
+    return reached
+
+
+def _trailing_zeros(key: str, bits: int) -> int:
+    digest = zlib.crc32(key.encode())
+    return min((digest & -digest).bit_length() - 1 if digest else bits, bits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    trace=st.lists(st.integers(0, 80), min_size=50, max_size=400),
+    batch=st.integers(1, 16),
+)
+def test_a_held_key_the_requests_skip_is_in_no_shadow(trace: list[int], batch: int) -> None:
     """`on_request` skips the shadows for a held key outside their hash sample whose
-    blocks, weighed up by the sampling rate, stay below `_big_blocks`: the shadows
-    must never hold such a key (they thin often here: 4 entries before a halving)."""
+    blocks, times 2 to the trailing zero bits of its hash (the highest rate it was in
+    the sample at), stay below `_big_blocks`: the shadows must never hold such a key,
+    and every request of a key they hold must reach them. Keys are looked up `batch`
+    at a time before the misses are saved, as a scheduler step does, so the shadows
+    can thin between a miss's lookup and the save that tells them its size (they thin
+    often here: 4 entries before a halving)."""
     policy = WTinyLFUPolicy(POOL, max_shadow_entries=4)
     alloc = BlockAllocator(POOL, policy)
-    for number in [*range(0, 80, 3), *trace]:  # distinct keys first: the shadows thin
-        key = f"k{number}"
-        alloc.note_request(key)
-        if key not in alloc and alloc.alloc(key, 1 + number * 7 % 30, force=True) is not None:
-            alloc.mark_ready(key)
-        for shadowed in policy._lru.keys() | policy._tiny.keys():
-            held = policy._blocks.get(shadowed)
-            if held is not None and not policy._in_hash_sample(shadowed):
-                assert held << policy.shadow_rate_bits >= policy._big_blocks, shadowed
+    reached = _record_shadow_requests(policy)
+    numbers = [*range(0, 80, 3), *trace]  # distinct keys first: the shadows thin
+    for start in range(0, len(numbers), batch):
+        step = numbers[start : start + batch]
+        for number in step:
+            key = f"k{number}"
+            shadowed = key in policy._lru.keys() | policy._tiny.keys()
+            reached.clear()
+            alloc.note_request(key)
+            assert not shadowed or reached, f"{key} is in a shadow, but its request skipped them"
+        for number in step:
+            key = f"k{number}"
+            if key not in alloc and alloc.alloc(key, 1 + number * 7 % 30) is not None:
+                alloc.mark_ready(key)
+        bits = policy.shadow_rate_bits
+        for key in policy._lru.keys() | policy._tiny.keys():
+            held = policy._blocks.get(key)
+            if held is not None and not policy._in_hash_sample(key):
+                assert held << _trailing_zeros(key, bits) >= policy._big_blocks, key
     assert policy.shadow_rate_bits >= 1, "the shadows never thinned: the test tests nothing"
+
+
+def test_a_miss_whose_save_comes_after_a_halving_is_weighed_at_the_new_rate() -> None:
+    """A miss's size comes with its save; if the shadows halve their sample between
+    its lookup and its save (another lookup of the step adds a shadow entry), the
+    save weighs it at the new rate, so a key its hash leaves out of the new sample is
+    not put in the shadows, where a later request would skip it. Each round looks
+    up a miss whose hash is in the current sample and out of the next, then a held
+    key that may enter the shadows and make them halve, then saves the miss."""
+    policy = WTinyLFUPolicy(POOL, max_shadow_entries=4)
+    alloc = BlockAllocator(POOL, policy)
+    reached = _record_shadow_requests(policy)
+    names = (f"k{number}" for number in itertools.count())
+
+    def fresh(zeros: int | None = None) -> str:
+        for name in names:
+            if zeros is None or _trailing_zeros(name, 32) == zeros:
+                return name
+        raise AssertionError("unreachable")
+
+    halved_between = 0
+    for _ in range(300):
+        rate = policy.shadow_rate_bits
+        miss = fresh(zeros=rate)
+        alloc.note_request(miss)
+        held = fresh()
+        if alloc.alloc(held, 1, force=True) is not None:  # saved unasked: in no shadow
+            alloc.mark_ready(held)
+            alloc.note_request(held)
+        halved_between += policy.shadow_rate_bits > rate
+        if alloc.alloc(miss, 1, force=True) is None:
+            continue
+        alloc.mark_ready(miss)
+        shadowed = miss in policy._lru.keys() | policy._tiny.keys()
+        reached.clear()
+        alloc.note_request(miss)
+        assert not shadowed or reached, f"{miss} is in a shadow, but its request skipped them"
+    assert halved_between, "the shadows never halved between a lookup and its save"
+
+
+def test_a_request_skips_the_shadows_only_for_keys_they_do_not_hold() -> None:
+    """`on_request` skips the shadows' lookups for a held key outside their hash
+    sample whose blocks, times 2 to the number of trailing zero bits of its hash
+    (the highest rate it was in the sample at), stay below the big-item size. Sizes
+    here make entries that thinning keeps outside the sample at a doubled weight
+    (80 and 160 blocks reach the 312 of a 20,000-block pool over 64 after one or two
+    doublings): every request of a key either shadow holds still reaches them, and
+    every entry outside the sample weighs what that bound allows."""
+    pool = 20_000
+    policy = WTinyLFUPolicy(pool, max_shadow_entries=64)
+    alloc = BlockAllocator(pool, policy)
+    sizes = (10, 40, 80, 160, 400)
+    reached = _record_shadow_requests(policy)
+    missed = 0
+    for i in range(12_000):
+        number = (i * 7) % 1500 if i % 3 else i % 90  # a popular core, and a long tail
+        key = f"k{number}"
+        held = key in policy._lru.order or key in policy._tiny.window or key in policy._tiny.main
+        reached.clear()
+        alloc.note_request(key)
+        missed += held and key not in reached
+        if key not in alloc and alloc.alloc(key, sizes[number % len(sizes)]) is not None:
+            alloc.mark_ready(key)
+    assert missed == 0, "a request skipped the shadows for a key they hold"
+    big, bits = policy._big_blocks, policy.shadow_rate_bits
+    assert bits >= 3
+    outside = 0
+    for shadow in (policy._lru.order, policy._tiny.window, policy._tiny.main):
+        for key, weight in shadow.items():
+            blocks = sizes[int(key[1:]) % len(sizes)]
+            zeros = _trailing_zeros(key, bits)
+            assert weight in {blocks << rate for rate in range(zeros + 1)}, (key, weight)
+            if not policy._in_hash_sample(key):
+                outside += 1
+                assert weight >= big and blocks << zeros >= big, (key, weight)
+    assert outside, "no entry outside the sample: the case the bound is for is not exercised"
 
 
 def test_policy_state_stays_bounded_over_many_keys() -> None:
