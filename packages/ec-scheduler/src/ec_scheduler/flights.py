@@ -109,7 +109,7 @@ class Flights:
             return
         copies = StepCopies(step, worker_step, self.clock(), tuple(saves), [], count)
         if not self.saves.keys().isdisjoint(copies.saves):
-            for key in self.saves.keys() & set(copies.saves):
+            for key in self.saves.keys() & copies.saves:
                 self.finish_save(key)
         self.saves.update(dict.fromkeys(copies.saves, copies))
         in_flight, tids = self.loads, copies.tids

@@ -330,9 +330,7 @@ class ECCPUScheduler:
             if request is not self._asking:
                 self._asking = request
                 self._asking_ids = None
-                # (`tier_keys.suffix`, skipped for the usual request: one without a salt)
-                salted = getattr(request, "cache_salt", None)
-                self._asking_suffix = self.tier_keys.suffix(request) if salted else ""
+                self._asking_suffix = self.tier_keys.suffix(request)
             if not self.is_consumer:
                 return True
             return self._availability.ensure(

@@ -456,8 +456,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         """The size of the last requested key, a miss everywhere: the shadows save
         it if they follow it."""
         self._unsized = None
-        if not self._unsized_sampled and blocks < self._big_blocks:
-            return  # `_shadow_blocks` would say None (most misses, once the shadows sample)
         weight = self._shadow_blocks(blocks, self._unsized_sampled)
         if weight is not None:
             self._lru.insert(key, weight)
