@@ -159,13 +159,17 @@ class Availability:
         # further). This runs for every request vLLM looks at in every step, so
         # it is one loop, with the usual answers tested inline: an item of a
         # modality without metadata-only fields that has data carries its input
-        # (`ItemInputs.carries_input`), and a ready entry with the item's row
-        # count is not stale (`_holds`).
+        # (`ItemInputs.carries_input`; here the fields are read under vLLM's
+        # UserDict, whose own `len` is a Python call: any other container takes
+        # the call), and a ready entry with the item's row count is not stale
+        # (`_holds`).
         entries = self.allocator.get
         plain = self.inputs.plain
         all_carry = True
         for feature in request.mm_features:
-            if all_carry and not (feature.modality in plain and feature.data):
+            if all_carry and not (
+                feature.modality in plain and getattr(feature.data, "data", None)
+            ):
                 all_carry = self.inputs.carries_input(feature)
             entry = entries(feature.identifier + suffix if suffix else feature.identifier)
             if entry is None:

@@ -119,6 +119,11 @@ class BlockAllocator:
         self._free = FreeExtents(self.num_reserved_blocks)
         self._ids = BlockIdPool(num_blocks)
         self._entries: dict[str, Entry] = {}
+        """Never rebound (cleared in place), so `get` below stays its lookup."""
+        self.get: Callable[[str], Entry | None] = self._entries.get
+        """The entry of a key, or None: the dict's own `get`, bound once (the
+        scheduler looks entries up several times per item, and a method of this
+        class would add a Python frame to each)."""
         # Owner of each allocated run, by its first and by its one-past-last block.
         self._run_at: dict[int, Entry] = {}
         self._run_ending: dict[int, Entry] = {}
@@ -138,9 +143,6 @@ class BlockAllocator:
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self._entries.values())
-
-    def get(self, key: str) -> Entry | None:
-        return self._entries.get(key)
 
     def block_ids(self, entry: Entry) -> list[int]:
         """`entry.block_ids`, made once per entry from shared int objects (`BlockIdPool`).

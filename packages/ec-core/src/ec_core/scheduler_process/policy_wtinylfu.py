@@ -181,6 +181,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._count: dict[str, int] = {}
         self._bucket_blocks = [0] * len(self._buckets)
         """Blocks of the entries listed in each main bucket."""
+        self._victim_parts = self._parts_in_victim_order()
         self._aged_at = self.sketch.resets
         self._used = 0
         self.first_sighting_payoff = 1.0
@@ -384,7 +385,7 @@ class WTinyLFUPolicy(FirstSightingGate):
                 self._sample[2] += min(weight, self._weight_cap)
         if key in self._trial:
             self._trial_outcome(key, paid_off=True)
-        else:
+        elif key in self._repeat_trial:  # (most entries are on neither trial)
             self._repeat_outcome(key, paid_off=True)
         if segment != _WINDOW and (self.recency_mode or segment == _OUTGOING):
             self._move(key, _WINDOW)  # (a loser hit again was worth keeping after all)
@@ -400,16 +401,17 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._count.pop(key, None)
         if key in self._trial:
             self._trial_outcome(key, paid_off=False)
-        else:
+        elif key in self._repeat_trial:  # (most entries are on neither trial)
             self._repeat_outcome(key, paid_off=False)
 
     # ---------------------------------------------------------- queries
 
     def candidates(self) -> Iterator[str]:
-        # A chain, not a generator: the allocator starts this walk once or twice
-        # per save, and the chain's setup costs about two thirds of a generator's
-        # over the 18 parts (measured with timeit).
-        return itertools.chain(self._outgoing, *self._buckets, self._window)
+        # C iterators only, and only over the non-empty parts: the allocator
+        # starts this walk once or twice per save, usually for its first key,
+        # and most of the 18 parts are empty (a chain of all of them: ~0.6 us in
+        # recency mode; this: ~0.23 us; timeit).
+        return itertools.chain.from_iterable(filter(None, self._victim_parts))
 
     def stats(self) -> dict[str, float]:
         return {
@@ -615,6 +617,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._aged_at = self.sketch.resets
         old = self._buckets
         self._buckets = [OrderedDict() for _ in old]
+        self._victim_parts = self._parts_in_victim_order()
         blocks = self._bucket_blocks
         self._bucket_blocks = [0] * len(blocks)
         for count, bucket in enumerate(old):
@@ -624,6 +627,11 @@ class WTinyLFUPolicy(FirstSightingGate):
             self._bucket_blocks[count >> shift] += blocks[count]
         for key, count in self._count.items():
             self._count[key] = count >> shift
+
+    def _parts_in_victim_order(self) -> tuple[OrderedDict[str, None], ...]:
+        """The parts `candidates` walks, in victim order (rebuilt whenever
+        `_buckets` is replaced; the window and outgoing never are)."""
+        return (self._outgoing, *self._buckets, self._window)
 
     def _rebalance(self) -> None:
         """Move the window's least recent entries out while it is over its share."""
@@ -641,8 +649,10 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     def _estimate(self, key: str) -> int:
         """The sketch's count for `key`, reusing the hash of the last request
-        when it was for `key` (an admission, or the unpin after a hit)."""
-        return self.sketch.estimate_hash(self._hash(key))
+        when it was for `key` (an admission, or the unpin after a hit); `_hash`,
+        inline: an admission asks for this on every miss."""
+        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
+        return self.sketch.estimate_hash(digest)
 
     def _hash(self, key: str) -> int:
         """The key's CRC-32, reusing the last request's when it was for `key`."""
