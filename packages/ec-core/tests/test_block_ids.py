@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
-from ec_core.scheduler_process.block_ids import CHUNK_BITS, BlockIdPool
+from ec_core.scheduler_process.block_ids import CHUNK_BITS, MAX_KEPT, BlockIdPool
 
 CHUNK = 1 << CHUNK_BITS
 
@@ -54,3 +54,46 @@ def test_the_allocator_hands_out_the_entrys_block_ids() -> None:
     assert scattered is not None and len(scattered.runs) > 1
     for entry in [*entries[1::2], scattered]:
         assert alloc.block_ids(entry) == entry.block_ids
+
+
+def test_a_list_handed_back_goes_to_the_next_caller_of_exactly_its_run() -> None:
+    pool = BlockIdPool(4 * CHUNK)
+    first = pool.ids(((100, 20),))
+    assert first == list(range(100, 120))
+    assert pool.ids(((100, 20),)) is not first, "nothing is shared before it is handed back"
+    pool.keep((100, 20), first)
+    other = pool.ids(((100, 21),))
+    assert other is not first and other == list(range(100, 121))
+    assert pool.ids(((100, 20),)) is first
+    assert pool.ids(((100, 20),)) is not first, "a list handed back goes to one caller"
+    several = ((0, 3), (50, 2))
+    assert pool.ids(several) == [0, 1, 2, 50, 51]
+
+
+def test_lists_handed_back_are_bounded_oldest_dropped_first() -> None:
+    pool = BlockIdPool(100)
+    lists = {start: pool.ids(((start, 30),)) for start in (0, 30, 60)}
+    for start, ids in lists.items():
+        pool.keep((start, 30), ids)  # 90 ids kept
+    pool.keep((70, 30), pool.ids(((70, 30),)))  # 120: the oldest, (0, 30), is dropped
+    assert pool.ids(((30, 30),)) is lists[30]
+    assert pool.ids(((60, 30),)) is lists[60]
+    again = pool.ids(((0, 30),))
+    assert again is not lists[0] and again == lists[0]
+    many = BlockIdPool(10 * MAX_KEPT)
+    handed = {start: many.ids(((start, 1),)) for start in range(2 * MAX_KEPT)}
+    for start, ids in handed.items():
+        many.keep((start, 1), ids)
+    back = [start for start, ids in handed.items() if many.ids(((start, 1),)) is ids]
+    assert back == list(range(MAX_KEPT, 2 * MAX_KEPT)), "the newest MAX_KEPT are kept"
+
+
+def test_an_entry_saved_where_another_left_gets_its_list() -> None:
+    alloc = BlockAllocator(40)
+    first = alloc.alloc("a", 10)
+    assert first is not None
+    ids = alloc.block_ids(first)
+    alloc.discard("a")
+    second = alloc.alloc("b", 10)
+    assert second is not None and second.runs == first.runs
+    assert alloc.block_ids(second) is ids and ids == second.block_ids

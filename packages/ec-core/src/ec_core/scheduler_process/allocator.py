@@ -147,9 +147,10 @@ class BlockAllocator:
     def block_ids(self, entry: Entry) -> list[int]:
         """`entry.block_ids`, made once per entry from shared int objects (`BlockIdPool`).
 
-        Every save and load of the entry gets this same list: the metadata only
-        reads it, and a reader must never change it. An entry's runs never
-        change, so the list stays right for the entry's life.
+        Every save and load of the entry gets this same list, and so may a later
+        entry of the same single run: the metadata only reads it, and a reader
+        must never change it. An entry's runs never change, so the list stays
+        right for the entry's life.
         """
         ids = entry.ids
         if ids is None:
@@ -535,10 +536,13 @@ class BlockAllocator:
 
     def _remove(self, entry: Entry) -> None:
         del self._entries[entry.key]
-        for start, length in entry.runs:
+        runs = entry.runs
+        for start, length in runs:
             del self._run_at[start]
             del self._run_ending[start + length]
             self._free.release(start, length)
+        if entry.ids is not None and len(runs) == 1:
+            self._ids.keep(runs[0], entry.ids)  # for the next entry of this run
         self.policy.on_removed(entry.key)
 
     def _evict_one(self) -> None:
