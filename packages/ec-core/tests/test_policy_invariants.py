@@ -252,15 +252,17 @@ def test_a_held_key_the_requests_skip_is_in_no_shadow(trace: list[int], batch: i
     blocks, times 2 to the trailing zero bits of its hash (the highest rate it was in
     the sample at), stay below `_big_blocks`: the shadows must never hold such a key,
     and every request of a key they hold must reach them. Keys are looked up `batch`
-    at a time before the misses are saved, as a scheduler step does, so the shadows
-    can thin between a miss's lookup and the save that tells them its size (they thin
-    often here: 4 entries before a halving)."""
+    at a time before the misses are saved (the scheduler tells the policy of each
+    item right before its save; any other caller may batch), so the shadows can thin
+    between a miss's lookup and the save that tells them its size (they thin often
+    here: 4 entries before a halving). Distinct keys come first, one at a time: only
+    the last miss of a batch reaches the shadows (the size they wait for is the last
+    one's), so batches of few distinct keys might never thin them."""
     policy = WTinyLFUPolicy(POOL, max_shadow_entries=4)
     alloc = BlockAllocator(POOL, policy)
     reached = _record_shadow_requests(policy)
-    numbers = [*range(0, 80, 3), *trace]  # distinct keys first: the shadows thin
-    for start in range(0, len(numbers), batch):
-        step = numbers[start : start + batch]
+    first = [[number] for number in range(0, 80, 3)]
+    for step in first + [trace[start : start + batch] for start in range(0, len(trace), batch)]:
         for number in step:
             key = f"k{number}"
             shadowed = key in policy._lru.keys() | policy._tiny.keys()
