@@ -8,7 +8,8 @@ number of runs per entry over 2 000 allocations measured once the region has
 filled and taken 500 more, and the mean time of a save: the same work on
 both sides, the `alloc` call with its evictions, marking the entry ready, and
 the block-id list a save's metadata carries (ours slices it from a pool of
-shared int objects; the in-tree entry keeps a tuple, copied to a list), as
+shared int objects, or takes over the list of the entry that left exactly
+its run; the in-tree entry keeps a tuple, copied to a list), as
 the calling thread's CPU time (`time.thread_time`) on both sides. A save's
 cost must not grow with the region. Counting the runs is not timed. Runs
 alternate ours and in-tree (RUNS of each, each on a fresh cache); a save's
