@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples in every run (seeded from each test), so a
+# run's verdict depends on the code, not on what a random draw happened to try.
+# `HYPOTHESIS_PROFILE=explore` draws new examples, to look for failures on purpose;
+# one found that way becomes an `@example` of its test.
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture
