@@ -6,10 +6,14 @@ order: `ensure_cache_available`, `has_cache_item` per item,
 `update_state_after_alloc` (computed items first, then loads),
 `build_connector_meta`, then `update_connector_output` with the workers'
 report of that step (each in its own report type). Each step schedules N
-one-image requests (576 embedding rows per image): half reload an image saved
-before, half are new. The warm-up runs until the new images have filled the
-region (256 MiB of 512-byte rows), then WARMUP_STEPS more, so in every
-measured step new images evict. The time of those calls per step is averaged
+one-image requests: half reload an image saved before, half are new. Two
+workloads: images of one size (576 embedding rows each, a model with a fixed
+token count per image: each new image lands on the run its victim left), and
+mixed sizes (row counts log-uniform in MIXED_ROWS, a model with a dynamic
+resolution: new images land on runs of other sizes, so a save may have to
+evict several entries or take several runs). The warm-up runs until the new
+images have filled the region (256 MiB of 512-byte rows), then WARMUP_STEPS
+more, so in every measured step new images evict. The time of those calls per step is averaged
 over the measured steps; building requests and reports is not timed. Time is the calling
 thread's CPU time (`time.thread_time`), on both sides: what the calls cost,
 without the time the thread spends preempted on a shared machine. Runs alternate ours and
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import math
 import random
 import shutil
 import statistics
@@ -51,11 +56,16 @@ from ectools.driving import Item, SimulatedRanks, StepDriver, connector_output, 
 from ectools.tiny_blip2 import write_config_only
 
 ROWS = 576
+MIXED_ROWS = (128, 1448)
+"""The mixed workload: each image's row count is log-uniform in this range (mean ~540,
+as a model with a dynamic resolution gives: its images land on runs of other sizes)."""
 WIDTH = 128
 """Encoder output width (fp32): one 512-byte row per block."""
 REGION_BYTES = 256 << 20
-FIT = REGION_BYTES // (ROWS * WIDTH * 4)
-"""Images the region holds: once more new ones have been saved, every new one evicts."""
+REGION_ROWS = REGION_BYTES // (WIDTH * 4)
+FIT = REGION_ROWS // ROWS
+"""Images of ROWS rows the region holds: once more new ones have been saved, every new
+one evicts."""
 ITEMS_PER_STEP = (8, 32, 128)
 WARMUP_STEPS = 20
 """Warm-up steps after the region has filled."""
@@ -114,22 +124,41 @@ def _workload(items: int, steps: int, seed: int) -> list[list[str]]:
     return plan
 
 
-def _warmup_steps(plan: list[list[str]]) -> int:
-    """Steps until more new images than the region holds were asked, then WARMUP_STEPS."""
+def _rows(plan: list[list[str]], mixed: bool, seed: int) -> dict[str, int]:
+    """Each image's row count: ROWS, or with `mixed` one drawn from MIXED_ROWS."""
+    images = dict.fromkeys(key for keys in plan for key in keys)
+    if not mixed:
+        return dict.fromkeys(images, ROWS)
+    rng = random.Random(seed)
+    low, high = (math.log2(rows) for rows in MIXED_ROWS)
+    return {key: int(2 ** rng.uniform(low, high)) for key in images}
+
+
+def _warmup_steps(plan: list[list[str]], rows: dict[str, int]) -> int:
+    """Steps until the new images asked for hold more rows than the region does, then
+    WARMUP_STEPS."""
     seen: set[str] = set()
+    asked = 0
     for number, keys in enumerate(plan):
-        seen.update(keys)
-        if len(seen) > FIT:
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                asked += rows[key]
+        if asked > REGION_ROWS:
             return number + 1 + WARMUP_STEPS
     raise ValueError("the plan never fills the region")
 
 
-def per_step_us(scheduler: Any, items: int) -> float:
+def per_step_us(scheduler: Any, items: int, *, mixed: bool = False) -> float:
+    """Microseconds of thread CPU time per measured step (see the module); `mixed`: the
+    images' row counts are drawn from MIXED_ROWS instead of all ROWS."""
     measured = max(MEASURED_ITEMS // items, 10)
-    # Half the items are new: 2 * FIT / items steps fill the region; the plan's prefix
-    # does not depend on its length, so a longer plan cut after the warm-up is the same.
+    # Half the items are new: about 2 * FIT / items steps fill the region; the plan's
+    # prefix does not depend on its length, so a longer plan cut after the warm-up is
+    # the same.
     plan = _workload(items, 4 * FIT // items + WARMUP_STEPS + measured, seed=items)
-    warmup = _warmup_steps(plan)
+    rows = _rows(plan, mixed, seed=items + 1000)
+    warmup = _warmup_steps(plan, rows)
     plan = plan[: warmup + measured]
     steps = len(plan)
     assert steps == warmup + measured, "the plan is too short"
@@ -137,7 +166,7 @@ def per_step_us(scheduler: Any, items: int) -> float:
     as_in_an_engine()
     total = 0.0
     for number, keys in enumerate(plan):
-        requests = [make_request(f"s{number}r{i}", [Item(k, ROWS)]) for i, k in enumerate(keys)]
+        requests = [make_request(f"s{number}r{i}", [Item(k, rows[k])]) for i, k in enumerate(keys)]
         began = time.thread_time()
         meta = driver.step(requests).meta
         elapsed = time.thread_time() - began
@@ -317,6 +346,8 @@ class Row:
     in_tree_us: float
     ratio: float
     ratio_range: tuple[float, float]
+    mixed: bool = False
+    """The mixed workload (MIXED_ROWS), not images of ROWS rows."""
 
 
 def table(policy: str | None = None, rows: list[Row] | None = None) -> list[str]:
@@ -324,41 +355,37 @@ def table(policy: str | None = None, rows: list[Row] | None = None) -> list[str]
     instead of the default (the in-tree side is the same either way). With `rows`, each
     row's figures are also appended there."""
     config = _config(policy)
+    low, high = MIXED_ROWS
     lines = [
-        f"Table 3 - scheduler cost per engine step ({ROWS}-row images, half reloads, "
-        f"{REGION_BYTES >> 20} MiB region; thread CPU time"
+        f"Table 3 - scheduler cost per engine step (images of {ROWS} rows, or mixed: "
+        f"{low}-{high} rows; half reloads, {REGION_BYTES >> 20} MiB region; thread CPU time"
         + (f"; ours with policy {policy}" if policy is not None else "")
         + ")",
-        f"{'items/step':>10} {'ours (us)':>10} {'in-tree (us)':>13} {'ours/in-tree':>13}"
-        f"  {'range of ' + str(RUNS) + ' runs':>18}",
+        f"{'images':>9} {'items/step':>10} {'ours (us)':>10} {'in-tree (us)':>13}"
+        f" {'ours/in-tree':>13}  {'range of ' + str(RUNS) + ' runs':>18}",
     ]
-    for items in ITEMS_PER_STEP:
-        ours_runs, tree_runs = [], []
-        for _ in range(RUNS):
-            ours = ECCPUScheduler(config)
-            tree = InTreeScheduler(config)  # maps (and removes) its own region file
-            try:
-                ours_runs.append(per_step_us(ours, items))
-                tree_runs.append(per_step_us(tree, items))
-            finally:
-                ours.shutdown()
-                tree.shutdown()
-        ours_us, tree_us = statistics.median(ours_runs), statistics.median(tree_runs)
-        ratios = [a / b for a, b in zip(ours_runs, tree_runs, strict=True)]
-        if rows is not None:
-            rows.append(
-                Row(
-                    items,
-                    ours_us,
-                    tree_us,
-                    statistics.median(ratios),
-                    (min(ratios), max(ratios)),
-                )
+    for mixed in (False, True):
+        for items in ITEMS_PER_STEP:
+            ours_runs, tree_runs = [], []
+            for _ in range(RUNS):
+                ours = ECCPUScheduler(config)
+                tree = InTreeScheduler(config)  # maps (and removes) its own region file
+                try:
+                    ours_runs.append(per_step_us(ours, items, mixed=mixed))
+                    tree_runs.append(per_step_us(tree, items, mixed=mixed))
+                finally:
+                    ours.shutdown()
+                    tree.shutdown()
+            ours_us, tree_us = statistics.median(ours_runs), statistics.median(tree_runs)
+            ratios = [a / b for a, b in zip(ours_runs, tree_runs, strict=True)]
+            ratio = statistics.median(ratios)
+            if rows is not None:
+                rows.append(Row(items, ours_us, tree_us, ratio, (min(ratios), max(ratios)), mixed))
+            images = "mixed" if mixed else f"{ROWS} rows"
+            lines.append(
+                f"{images:>9} {items:>10} {ours_us:>10.0f} {tree_us:>13.0f} {ratio:>12.2f}x"
+                f"  {min(ratios):>8.2f}-{max(ratios):.2f}x"
             )
-        lines.append(
-            f"{items:>10} {ours_us:>10.0f} {tree_us:>13.0f} {statistics.median(ratios):>12.2f}x"
-            f"  {min(ratios):>8.2f}-{max(ratios):.2f}x"
-        )
     return lines
 
 

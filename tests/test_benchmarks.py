@@ -248,6 +248,14 @@ def test_goals_compare_each_table_with_its_target() -> None:
     (step,) = goals.scheduler_step(steps)
     assert not step.passed and "0.90 / 1.00 / 1.01" in step.measured
     assert goals.scheduler_step(steps[:2])[0].passed
+    mixed = [dataclasses.replace(row, mixed=True, ratio=0.8) for row in steps[:2]]
+    (step,) = goals.scheduler_step([*steps[:2], *mixed])
+    assert step.passed and step.measured.endswith(
+        "0.80 / 0.80 x in-tree at 8/32 items, mixed sizes"
+    )
+    mixed[1] = dataclasses.replace(mixed[1], ratio=1.2)
+    (step,) = goals.scheduler_step([*steps[:2], *mixed])
+    assert not step.passed, "a slower step with mixed sizes misses the goal"
     saves = [fragmentation.Row(bits, 1.0, 0.4, (0.3, 0.5)) for bits in (16, 18)]
     assert goals.allocation(saves)[0].passed
     assert not goals.allocation([*saves, fragmentation.Row(20, 1.0, 0.51, (0.5, 0.6))])[0].passed
