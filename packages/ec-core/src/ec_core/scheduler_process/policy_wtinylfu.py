@@ -385,7 +385,7 @@ class WTinyLFUPolicy(FirstSightingGate):
                 self._sample[2] += min(weight, self._weight_cap)
         if key in self._trial:
             self._trial_outcome(key, paid_off=True)
-        elif key in self._repeat_trial:  # (most entries are on neither trial)
+        else:
             self._repeat_outcome(key, paid_off=True)
         if segment != _WINDOW and (self.recency_mode or segment == _OUTGOING):
             self._move(key, _WINDOW)  # (a loser hit again was worth keeping after all)
@@ -401,7 +401,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._count.pop(key, None)
         if key in self._trial:
             self._trial_outcome(key, paid_off=False)
-        elif key in self._repeat_trial:  # (most entries are on neither trial)
+        else:
             self._repeat_outcome(key, paid_off=False)
 
     # ---------------------------------------------------------- queries
@@ -649,10 +649,8 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     def _estimate(self, key: str) -> int:
         """The sketch's count for `key`, reusing the hash of the last request
-        when it was for `key` (an admission, or the unpin after a hit); `_hash`,
-        inline: an admission asks for this on every miss."""
-        digest = self._last_hash if key == self._last_key else zlib.crc32(key.encode())
-        return self.sketch.estimate_hash(digest)
+        when it was for `key` (an admission, or the unpin after a hit)."""
+        return self.sketch.estimate_hash(self._hash(key))
 
     def _hash(self, key: str) -> int:
         """The key's CRC-32, reusing the last request's when it was for `key`."""
