@@ -14,7 +14,7 @@ from ec_core.scheduler_process.frequency_sketch import FrequencySketch
 from ec_core.scheduler_process.policy import POLICIES, make_policy
 from ec_core.scheduler_process.policy_lru import LRUPolicy
 from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
-from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
+from ec_core.scheduler_process.policy_wtinylfu import MAX_UNSIZED, WTinyLFUPolicy
 from ec_core.scheduler_process.shadows import ShadowLRU, ShadowTinyLFU
 
 
@@ -543,6 +543,38 @@ def test_wtinylfu_shadows_follow_a_hash_sample_of_a_large_pools_small_items() ->
     assert all(policy._lru.order[k] == 400 for k in big)
     assert len(policy._lru.order) <= 64 + 1
     assert policy._lru.used <= pool
+
+
+def test_wtinylfu_shadows_learn_every_miss_told_before_its_save() -> None:
+    """A caller that tells the policy of several requests before their saves: each
+    miss's size, which comes with its save, reaches the shadows, not only the last
+    one's."""
+    policy = WTinyLFUPolicy(1000)
+    alloc = BlockAllocator(1000, policy)
+    keys = ["a", "b", "c"]
+    for key in keys:
+        alloc.note_request(key)
+    for key in keys:
+        assert alloc.alloc(key, 10) is not None
+        alloc.mark_ready(key)
+    assert set(keys) <= set(policy._lru.order) and set(keys) <= policy._tiny.keys()
+    assert all(policy._lru.order[key] == 10 for key in keys)
+
+
+def test_wtinylfu_waits_for_at_most_max_unsized_sizes() -> None:
+    """Lookups that end in no save leave at most `MAX_UNSIZED` keys waiting; the
+    oldest are forgotten first, and a later save of one of them teaches nothing."""
+    policy = WTinyLFUPolicy(100_000)
+    alloc = BlockAllocator(100_000, policy)
+    keys = [f"k{i}" for i in range(MAX_UNSIZED + 10)]
+    for key in keys:
+        alloc.note_request(key)
+    assert len(policy._unsized) == MAX_UNSIZED
+    assert list(policy._unsized) == keys[10:]
+    assert alloc.alloc(keys[0], 5) is not None
+    assert keys[0] not in policy._lru.order, "forgotten: its size is not learned"
+    assert alloc.alloc(keys[-1], 5) is not None
+    assert policy._lru.order[keys[-1]] == 5 and keys[-1] not in policy._unsized
 
 
 def test_shadow_reweigh_keeps_the_order_and_the_capacity() -> None:

@@ -13,6 +13,8 @@ from ec_core.scheduler_process.frequency_sketch import FrequencySketch
 from ec_core.scheduler_process.shadows import Ghosts, ShadowLRU, ShadowTinyLFU
 
 _WINDOW, _MAIN, _OUTGOING = range(3)
+MAX_UNSIZED = 256
+"""Requested misses whose sizes the policy waits for at most (`_unsized`)."""
 
 
 class WTinyLFUPolicy(FirstSightingGate):
@@ -214,7 +216,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._shadow_mask = 0
         self._big_blocks = max(self.capacity // max(max_shadow_entries, 1), 1)
         """Items of at least this many blocks are always followed by the shadows."""
-        self._unsized_sampled = True
         self._sample_blocks = guard_sample * self.capacity
         self._weight_cap = max(int(guard_item_share * self.capacity), 1)
         self._samples = 0
@@ -223,9 +224,14 @@ class WTinyLFUPolicy(FirstSightingGate):
         the last change of mode."""
         self._sketch_full_at = self.sketch.width // 4
         """Entries beyond which the sketch grows (to 16 counters a row per entry)."""
-        # The last requested key whose size was not known yet (a miss nobody
-        # holds): its size comes with `admit` or `on_insert`.
-        self._unsized: str | None = None
+        self._unsized: dict[str, bool] = {}
+        """Requested keys whose size is not known yet (misses nobody holds), oldest
+        first, each with whether it was in the shadows' hash sample: a key's size
+        comes with its `admit` or `on_insert`. The scheduler tells the policy of
+        an item just before its save, but a caller may tell it of several
+        requests first (the lookups of a batch, then their saves): each miss's
+        size still reaches the shadows. At most `MAX_UNSIZED` (the oldest go: a
+        request need not end in a save)."""
         # The hash of the last requested key (the admission after a miss reuses it).
         self._last_key: str | None = None
         self._last_hash = 0
@@ -276,9 +282,12 @@ class WTinyLFUPolicy(FirstSightingGate):
         size = blocks if blocks is not None else tiny_blocks
         if size is None:
             held = self._blocks.get(key)
-            if held is None:
-                self._unsized = key  # a miss: its size comes with the save
-                self._unsized_sampled = sampled
+            if held is None:  # a miss: its size comes with the save
+                unsized = self._unsized
+                unsized.pop(key, None)
+                unsized[key] = sampled
+                if len(unsized) > MAX_UNSIZED:
+                    del unsized[next(iter(unsized))]
                 return
             size = self._shadow_blocks(held, sampled)
             if size is None:
@@ -290,7 +299,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         self._count_requested(size)
 
     def admit(self, key: str, num_blocks: int) -> bool:
-        if key == self._unsized:
+        if self._unsized:
             self._learn_size(key, num_blocks)
         estimate = self._estimate(key)
         if not self.recency_mode and not self._outranks_displaced(estimate, num_blocks):
@@ -349,7 +358,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         return covered == 0 or estimate - self.duel_margin > top
 
     def on_insert(self, key: str, num_blocks: int) -> None:
-        if key == self._unsized:  # saved without asking `admit` (a forced save)
+        if self._unsized:  # saved without asking `admit` (a forced save)
             self._learn_size(key, num_blocks)
         self._segment[key] = _WINDOW
         self._blocks[key] = num_blocks
@@ -455,10 +464,12 @@ class WTinyLFUPolicy(FirstSightingGate):
     # ------------------------------------------------------- the guard
 
     def _learn_size(self, key: str, blocks: int) -> None:
-        """The size of the last requested key, a miss everywhere: the shadows save
-        it if they follow it."""
-        self._unsized = None
-        weight = self._shadow_blocks(blocks, self._unsized_sampled)
+        """The size of `key`, if it is a requested miss whose size was not known:
+        the shadows save it if they follow it."""
+        sampled = self._unsized.pop(key, None)
+        if sampled is None:
+            return
+        weight = self._shadow_blocks(blocks, sampled)
         if weight is not None:
             self._lru.insert(key, weight)
             self._tiny.insert(key, weight)
@@ -522,8 +533,8 @@ class WTinyLFUPolicy(FirstSightingGate):
             return
         self.shadow_rate_bits += 1
         mask = self._shadow_mask = (1 << self.shadow_rate_bits) - 1
-        if self._unsized is not None:  # its weight, when it comes, is at the new rate
-            self._unsized_sampled = self._unsized_sampled and self._in_hash_sample(self._unsized)
+        for key, sampled in self._unsized.items():  # their weights come at the new rate
+            self._unsized[key] = sampled and self._in_hash_sample(key)
         big = self._big_blocks
 
         def weight(key: str, blocks: int) -> int | None:
