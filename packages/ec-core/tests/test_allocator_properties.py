@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from ec_core.scheduler_process.allocator import BlockAllocator, Entry
 from ec_core.scheduler_process.policy import EvictionPolicy, make_policy
 from ec_core.scheduler_process.policy_s3lfu import S3LFUPolicy
-from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
+from ec_core.scheduler_process.policy_wtinylfu import MAX_UNSIZED, WTinyLFUPolicy
 
 POOL = 80
 
@@ -221,7 +221,8 @@ class Harness:
         assert tiny.window_used == sum(tiny.window.values())
         assert tiny.main_used == sum(tiny.main.values()) <= tiny.main_capacity
         assert not tiny.window.keys() & tiny.main.keys()
-        bound = len(keys) + policy.max_ghost_entries + 2 * policy.capacity
+        assert len(policy._unsized) <= MAX_UNSIZED
+        bound = len(keys) + policy.max_ghost_entries + 2 * policy.capacity + MAX_UNSIZED
         assert len(policy.tracked_keys()) <= bound
         assert policy.initial_window <= policy.window_target <= policy.capacity
         if policy.recency_mode:

@@ -126,8 +126,8 @@ class WTinyLFUPolicy(FirstSightingGate):
     and a mode change, which moves every entry once (at most once per sample).
     Memory: the sketch's fixed bytes, plus per-key state for the pool's
     entries, a list of refused first sightings of at most `capacity` blocks
-    and `max_ghost_entries` keys, and two shadows of about `max_shadow_entries`
-    keys each.
+    and `max_ghost_entries` keys, two shadows of about `max_shadow_entries`
+    keys each, and at most `MAX_UNSIZED` requested misses waiting for their sizes.
     """
 
     name = WTINYLFU
@@ -456,10 +456,11 @@ class WTinyLFUPolicy(FirstSightingGate):
         return [key for bucket in self._buckets for key in bucket]
 
     def tracked_keys(self) -> set[str]:
-        """Every key the policy keeps state for (entries, refusals, trials, shadows)."""
+        """Every key the policy keeps state for (entries, refusals, trials, shadows,
+        misses waiting for their sizes)."""
         shadows = self._lru.keys() | self._tiny.keys()
         trials = self._trial | self._repeat_trial
-        return set(self._segment) | self._refused.keys() | trials | shadows
+        return set(self._segment) | self._refused.keys() | trials | shadows | self._unsized.keys()
 
     # ------------------------------------------------------- the guard
 
