@@ -222,6 +222,7 @@ class Harness:
         assert tiny.main_used == sum(tiny.main.values()) <= tiny.main_capacity
         assert not tiny.window.keys() & tiny.main.keys()
         assert len(policy._unsized) <= MAX_UNSIZED
+        assert not policy._unsized.keys() & policy._segment.keys(), "a held key waits for its size"
         bound = len(keys) + policy.max_ghost_entries + 2 * policy.capacity + MAX_UNSIZED
         assert len(policy.tracked_keys()) <= bound
         assert policy.initial_window <= policy.window_target <= policy.capacity

@@ -577,6 +577,32 @@ def test_wtinylfu_waits_for_at_most_max_unsized_sizes() -> None:
     assert policy._lru.order[keys[-1]] == 5 and keys[-1] not in policy._unsized
 
 
+def test_wtinylfu_misses_waiting_for_their_sizes_follow_the_shadows_thinning() -> None:
+    """A miss still waiting for its size when the shadows thin is learned at the new
+    rate: only if its key is in the new hash sample, and weighed up by it."""
+    policy = WTinyLFUPolicy(6400, max_shadow_entries=64)  # items under 100 blocks are small
+    alloc = BlockAllocator(6400, policy)
+    keys = [f"w{i}" for i in range(40)]
+    for key in keys:
+        alloc.note_request(key)
+    for _ in range(3):
+        policy._thin_shadows()
+    mask = (1 << policy.shadow_rate_bits) - 1
+    sampled = {key for key in keys if not zlib.crc32(key.encode()) & mask}
+    assert 0 < len(sampled) < len(keys)
+    for key in keys:
+        assert alloc.alloc(key, 10) is not None
+    assert set(policy._lru.order) == sampled
+    assert all(policy._lru.order[key] == 10 << 3 for key in sampled)
+
+
+def test_wtinylfu_a_miss_asked_for_again_waits_as_the_newest() -> None:
+    policy = WTinyLFUPolicy(100_000)
+    for key in ("a", "b", "a"):
+        policy.on_request(key)
+    assert list(policy._unsized) == ["b", "a"]
+
+
 def test_shadow_reweigh_keeps_the_order_and_the_capacity() -> None:
     lru = ShadowLRU(100)
     for key in "abcd":

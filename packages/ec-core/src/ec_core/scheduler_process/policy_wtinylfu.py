@@ -358,7 +358,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         return covered == 0 or estimate - self.duel_margin > top
 
     def on_insert(self, key: str, num_blocks: int) -> None:
-        if self._unsized:  # saved without asking `admit` (a forced save)
+        if self._unsized:  # saved without asking `admit` (a forced save, an adopted entry)
             self._learn_size(key, num_blocks)
         self._segment[key] = _WINDOW
         self._blocks[key] = num_blocks
