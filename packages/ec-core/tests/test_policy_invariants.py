@@ -255,9 +255,8 @@ def test_a_held_key_the_requests_skip_is_in_no_shadow(trace: list[int], batch: i
     at a time before the misses are saved (the scheduler tells the policy of each
     item right before its save; any other caller may batch), so the shadows can thin
     between a miss's lookup and the save that tells them its size (they thin often
-    here: 4 entries before a halving). Distinct keys come first, one at a time: only
-    the last miss of a batch reaches the shadows (the size they wait for is the last
-    one's), so batches of few distinct keys might never thin them."""
+    here: 4 entries before a halving). Distinct keys come first, one at a time, so
+    the shadows thin early whatever `batch` and the trace are."""
     policy = WTinyLFUPolicy(POOL, max_shadow_entries=4)
     alloc = BlockAllocator(POOL, policy)
     reached = _record_shadow_requests(policy)
