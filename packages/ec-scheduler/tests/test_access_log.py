@@ -7,6 +7,7 @@ import errno
 import io
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import BinaryIO
 
 import pytest
 
+from ec_core.ratelimit import RateLimitedWarnings
 from ec_core.settings import DEFAULT_ACCESS_LOG_MAX_BYTES, ECCPUSettings
 from ec_scheduler import ECCPUScheduler, access_log
 from ec_scheduler.access_log import AccessLog, log_path
@@ -238,6 +240,77 @@ def test_a_full_queue_drops_and_counts(tmp_path: Path, ec_log: pytest.LogCapture
     log.close()
     assert log.written == 4 and len(_records(path)) == 4
     assert "6 records dropped" in ec_log.text
+    read = read_log(path)
+    assert read.dropped == 6 and len(read.digests) == 4, "the file says it lacks six"
+
+
+def test_drops_a_held_back_warning_missed_are_told_at_close(
+    tmp_path: Path, ec_log: pytest.LogCaptureFixture
+) -> None:
+    """The rate limit holds back the second warning; the file and `close` still give
+    the total."""
+    path = tmp_path / "drops.log"
+    log = _quiet_log(path, buffer_records=4)
+    log._warn = RateLimitedWarnings(access_log.logger, clock=lambda: 0.0).warn
+    for round_ in range(2):
+        for n in range(10):
+            log.record(f"key-{round_}-{n}", 1, 512)
+        log._drain()  # the writer's pass (its own thread waits for `close`)
+    assert log.dropped == 12
+    assert "6 records dropped" in ec_log.text and "12 records dropped" not in ec_log.text
+    log.close()
+    assert "lacks 12 records in all" in ec_log.text
+    read = read_log(path)
+    assert read.dropped == 12 and len(read.digests) == 8
+
+
+class _StalledDisk(io.BytesIO):
+    """A file whose writes hang until `release` is set, holding the lock its `close`
+    takes too (as a buffered file on a filesystem that stopped answering does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def writelines(self, lines: object) -> None:
+        with self.lock:
+            self.writing.set()
+            self.release.wait()
+            super().writelines(lines)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self.lock:
+            super().close()
+
+
+def test_a_stalled_disk_does_not_hold_up_shutdown(
+    tmp_path: Path, ec_log: pytest.LogCaptureFixture
+) -> None:
+    disk = _StalledDisk()
+    log = AccessLog(
+        tmp_path / "x",
+        1 << 20,
+        block_bytes=BLOCK,
+        interval_s=0.001,
+        open_file=lambda _: disk,
+        close_timeout_s=0.01,
+    )
+    try:
+        log.record("key", 1, 512)
+        assert disk.writing.wait(30), "the writer never wrote"
+        closing = threading.Thread(target=log.close)
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive(), "close waited on the stalled disk"
+        assert "stuck writing" in ec_log.text and not log.on
+        log.record("after", 1, 512)
+        assert not log._queue
+    finally:
+        disk.release.set()
+    log._thread.join(30)
+    assert not log._thread.is_alive() and disk.closed, "the writer closes the file on its way out"
 
 
 def test_the_file_replaces_a_link_instead_of_following_it(tmp_path: Path) -> None:

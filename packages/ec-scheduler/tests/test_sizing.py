@@ -125,7 +125,13 @@ def test_a_record_cut_short_ends_the_log_and_garbage_is_refused(tmp_path: Path) 
     _write(_trace(requests=20), path)
     text = path.read_text()
     path.write_text(text + "12.5 00ff")  # the engine stopped mid-line
-    assert len(read_log(path).digests) == 20
+    assert len(read_log(path).digests) == 20 and read_log(path).cut_short
+    path.write_text(text + "12.5 00ff00ff00ff00ff 576 11")  # cut inside its bytes: parses
+    read = read_log(path)
+    assert len(read.digests) == 20 and read.cut_short and 11 not in read.nbytes
+    whole = tmp_path / "whole.log"
+    _write(_trace(requests=3), whole)
+    assert not read_log(whole).cut_short
     path.write_text(text + "12.5 00ff\n")
     with pytest.raises(ValueError, match="line 23 is not a record"):
         read_log(path)
@@ -207,6 +213,22 @@ def test_the_command_prints_the_table_and_writes_the_plot(
     assert all(len(line.get("points", "").split()) == 2 for line in lines), "two sizes"
     texts = "".join(text.text or "" for text in root.iter(f"{SVG}text"))
     assert "Byte hit ratio" in texts and "Encoder runs saved" in texts
+
+
+def test_the_command_says_when_the_log_lacks_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "a.log"
+    log = AccessLog(path, 1 << 20, block_bytes=BLOCK, buffer_records=50)
+    for key in _trace(requests=80).keys:
+        log.record(key, 2, BLOCK)
+    log.close()
+    assert log.dropped == 30
+    assert main(["--log", str(path), "--sizes", "20%"]) == 0
+    assert "dropped 30 records" in capsys.readouterr().out
+    _write(_trace(requests=80), path)
+    assert main(["--log", str(path), "--sizes", "20%"]) == 0
+    assert "dropped" not in capsys.readouterr().out
 
 
 def test_the_command_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,13 +11,18 @@ Guarantees:
     tuple to a bounded in-memory queue and does nothing else (no I/O, no
     formatting, no hashing); a daemon thread digests, formats and writes;
   * bounded memory: at most `buffer_records` records wait; past that a record is
-    dropped and counted (`dropped`), and the writer warns, rate-limited;
+    dropped and counted (`dropped`); the writer warns, rate-limited, writes the
+    total so far into the file (`dropped_line`), and `close` warns of the final
+    total if a warning held it back;
   * bounded disk: the file never exceeds `max_bytes`; a record that would cross
     it stops the log for good, with one warning (no rotation);
   * a write error (a full disk) stops the log with one warning and never reaches
     the scheduler: the engine serves on without it;
-  * `close` writes what is queued, flushes and closes the file (idempotent); it
-    runs at the interpreter's exit too, should nobody call it;
+  * `close` has the writer write what is queued, flush and close the file
+    (idempotent); it waits for that at most `close_timeout_s`, and a writer stuck
+    on a stalled disk is left behind with a warning (it closes the file if its
+    write ever returns): shutting the engine down never waits on the disk longer
+    than that. It runs at the interpreter's exit too, should nobody call it;
   * the file is created owner-only (0600): an existing file at the path is
     replaced, never followed through a symbolic link.
 """
@@ -39,7 +44,12 @@ from typing import BinaryIO
 
 from ec_core._vllm import get_logger
 from ec_core.ratelimit import RateLimitedWarnings
-from ec_scheduler.access_log_format import DIGEST_BYTES, header_lines, record_line
+from ec_scheduler.access_log_format import (
+    DIGEST_BYTES,
+    dropped_line,
+    header_lines,
+    record_line,
+)
 
 logger = get_logger(__name__)
 
@@ -47,6 +57,8 @@ BUFFER_RECORDS = 65536
 """Records waiting for the writer at most (a few MiB)."""
 WRITE_INTERVAL_S = 0.25
 """How often the writer drains the queue."""
+CLOSE_TIMEOUT_S = 10.0
+"""How long `close` waits for the writer's last pass."""
 
 _PERSON = b"ec-access-v1"
 
@@ -75,8 +87,8 @@ def create_owner_only(path: Path) -> BinaryIO:
 class AccessLog:
     """One scheduler's access log (see the module for the format and guarantees).
 
-    `record` is called by the scheduler thread only; everything else of the file
-    is the writer thread's, until `close` joins it.
+    `record` is called by the scheduler thread only; the file is the writer
+    thread's from the start (it closes it on its way out), `close` never touches it.
     """
 
     def __init__(
@@ -90,6 +102,7 @@ class AccessLog:
         open_file: Callable[[Path], BinaryIO] | None = None,
         clock: Callable[[], float] = time.monotonic,
         digest_key: bytes | None = None,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
         """Create the file, write its header and start the writer.
 
@@ -128,8 +141,12 @@ class AccessLog:
         self._size = len(header)
         self._warn = RateLimitedWarnings(logger).warn
         self._reported_drops = 0
+        """The drop count the last warning gave."""
+        self._written_drops = 0
+        """The drop count the file last gave."""
         self._stop = threading.Event()
         self._interval_s = interval_s
+        self._close_timeout_s = close_timeout_s
         self._thread = threading.Thread(target=self._run, name="ec-access-log", daemon=True)
         self._thread.start()
         # An engine whose scheduler is never shut down (a process ending without its
@@ -170,28 +187,41 @@ class AccessLog:
                 "EC CPU tier: the access log's writer failed (%r); the log is off from now on",
                 exc,
             )
+        finally:
+            self.on = False
+            try:
+                self._file.close()
+            except Exception as exc:  # flushing what was left: a full disk, say
+                logger.warning("EC CPU tier: closing the access log %s failed (%s)", self.path, exc)
 
     def _drain(self) -> None:
-        """Write what is queued (the writer thread only: its last pass runs once
-        `close` has set the stop flag, before `close` closes the file)."""
+        """Write what is queued, and the drop count if it grew (the writer thread
+        only: its last pass runs once `close` has set the stop flag)."""
         dropped = self.dropped
-        if dropped > self._reported_drops:
-            self._warn(
-                "dropped",
-                "EC CPU tier: the access log's queue was full; %d records dropped so far "
-                "(the log is incomplete: its writer cannot keep up with %s)",
-                dropped,
-                self.path,
-            )
+        if dropped > self._reported_drops and self._warn(
+            "dropped",
+            "EC CPU tier: the access log's queue was full; %d records dropped so far "
+            "(the log is incomplete: its writer cannot keep up with %s)",
+            dropped,
+            self.path,
+        ):
             self._reported_drops = dropped
         queue = self._queue
-        if not queue or not self.on:
+        if not self.on or not (queue or dropped > self._written_drops):
             return
         lines: list[bytes] = []
         size = self._size
         start = self._start
         full = False
-        while queue:
+        says_drops = dropped > self._written_drops
+        if says_drops:
+            line = dropped_line(dropped).encode()
+            if size + len(line) > self.max_bytes:
+                says_drops, full = False, True  # nothing more fits: the log stops below
+            else:
+                lines.append(line)
+                size += len(line)
+        while queue and not full:
             when, key, rows, nbytes = queue.popleft()
             line = record_line(when - start, self.digest(key), rows, nbytes).encode()
             if size + len(line) > self.max_bytes:
@@ -202,7 +232,7 @@ class AccessLog:
         try:
             self._file.writelines(lines)
             self._file.flush()
-        except (OSError, ValueError) as exc:  # ValueError: closed by a `close` that gave up
+        except OSError as exc:
             self._stop_logging(
                 "EC CPU tier: writing the access log %s failed (%s); the log is off from "
                 "now on, the engine serves on",
@@ -212,6 +242,9 @@ class AccessLog:
             return
         self._size = size
         self.written += len(lines)
+        if says_drops:
+            self._written_drops = dropped
+            self.written -= 1  # the comment line is not a record
         if full:
             self._stop_logging(
                 "EC CPU tier: the access log %s reached ec_access_log_max_bytes (%d bytes); "
@@ -226,18 +259,29 @@ class AccessLog:
         logger.warning(message, *args)
 
     def close(self) -> None:
-        """Write what is queued, flush and close the file; idempotent. Records after
-        this are ignored."""
+        """Have the writer write what is queued, flush and close the file, waiting at
+        most `close_timeout_s` (see the module); idempotent. Records after this are
+        ignored."""
         if self._stop.is_set():
             return
         self._stop.set()
         atexit.unregister(self.close)
-        self._thread.join(timeout=10.0)
-        self.on = False
-        try:
-            self._file.close()
-        except OSError as exc:
-            logger.warning("EC CPU tier: closing the access log %s failed (%s)", self.path, exc)
+        self._thread.join(timeout=self._close_timeout_s)
+        if self._thread.is_alive():
+            self.on = False
+            logger.warning(
+                "EC CPU tier: the access log's writer has been stuck writing %s for %.0f s; "
+                "the engine shuts down without it (the file is closed if the write returns)",
+                self.path,
+                self._close_timeout_s,
+            )
+            return
+        if self.dropped > self._reported_drops:
+            logger.warning(
+                "EC CPU tier: the access log %s lacks %d records in all (its queue was full)",
+                self.path,
+                self.dropped,
+            )
 
 
 def open_access_log(

@@ -23,12 +23,16 @@ Format (version 1), text, one record a line:
   without one): the bytes its entry holds in the region before rounding up to
   whole blocks of `block_bytes` (one embedding row of the model).
 
-A reader ignores lines starting with `#` after the first, and a last line cut
-short (an engine that stopped mid-write).
+A writer whose queue overflowed says so in a comment line, `# dropped <N> records`,
+with the total so far (a reader keeps the largest). A reader ignores other lines
+starting with `#` after the first, and a last line without its newline (cut short:
+an engine that stopped mid-write), whatever it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +58,14 @@ def record_line(time_s: float, digest: str, rows: int, nbytes: int) -> str:
     return f"{time_s:.6f} {digest} {rows} {nbytes}\n"
 
 
+_DROPPED = "# dropped "
+
+
+def dropped_line(total: int) -> str:
+    """The comment line saying `total` records were dropped so far."""
+    return f"{_DROPPED}{total} records\n"
+
+
 @dataclass(frozen=True)
 class AccessRecords:
     """An access log as read: one entry per record, in the file's order."""
@@ -64,6 +76,10 @@ class AccessRecords:
     digests: list[str] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    dropped: int = 0
+    """Records the writer dropped (its queue full): the log lacks them."""
+    cut_short: bool = False
+    """Whether the last line lacked its newline and was ignored."""
 
 
 def read_log(path: Path) -> AccessRecords:
@@ -84,18 +100,27 @@ def read_log(path: Path) -> AccessRecords:
         except (KeyError, ValueError):
             raise ValueError(f"{path}: the header names no block_bytes") from None
         records = AccessRecords(block_bytes)
+        dropped = 0
+        cut_short = False
         for number, line in enumerate(file, start=2):
+            if not line.endswith("\n"):
+                # The engine stopped mid-write: the line may parse (a number cut
+                # short), but not as what was meant. It is the last one.
+                cut_short = True
+                break
+            if line.startswith(_DROPPED):
+                with contextlib.suppress(IndexError, ValueError):
+                    dropped = max(dropped, int(line.split()[2]))
+                continue
             if line.startswith("#") or not line.strip():
                 continue
             parts = line.split()
             try:
                 when, digest, rows, nbytes = float(parts[0]), parts[1], int(parts[2]), int(parts[3])
             except (IndexError, ValueError):
-                if not line.endswith("\n"):
-                    break  # a record cut short (the engine stopped mid-write): the end
                 raise ValueError(f"{path}: line {number} is not a record: {line!r}") from None
             records.times.append(when)
             records.digests.append(digest)
             records.rows.append(rows)
             records.nbytes.append(nbytes)
-    return records
+    return dataclasses.replace(records, dropped=dropped, cut_short=cut_short)

@@ -385,6 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         parser.exit(2, f"ec-cpu-sizing: {exc}\n")
     lines, svg = report(trace, block_bytes, capacities, args.policy)
+    if records.dropped:
+        lines.insert(
+            0,
+            f"note: the engine dropped {records.dropped} records of this log (its writer fell "
+            "behind): the replay lacks them",
+        )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.svg is not None:
         args.svg.write_text(svg)
