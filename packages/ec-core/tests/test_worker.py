@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerReport
+from ec_core.region.mapping import ECSharedRegion
 from ec_core.worker_process import worker as worker_module
 from ec_core.worker_process.entries import ECCPULoadError
 from ec_core.worker_process.ranks import RankInfo
@@ -713,3 +714,24 @@ def test_a_failed_construction_leaves_no_region_and_no_side_channel(
     assert list(tmp_path.glob("ec_cpu_tier_*")) == []
     assert all(sender.closed for sender in _Sender.made)
     assert len(_Sender.made) == (1 if failing == "pin" else 0)
+
+
+def test_a_failed_read_of_the_watermark_leaves_no_region(
+    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first thing the constructor reads of a region it opened is the watermark
+    (a joiner reads the creator's record from the file); that read failing left the
+    region mapped and its file behind."""
+
+    def unreadable(region: object) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ECSharedRegion, "reserved_blocks", property(unreadable))
+    config = make_vllm_config(
+        tiny_model_dir,
+        role="ec_both",
+        extra={"ec_cpu_bytes": 256 * BLOCK, "ec_cpu_dir": str(tmp_path)},
+    )
+    with pytest.raises(OSError, match="Input/output error"):
+        HostBackend(config, rank_info=RankInfo(0, True))
+    assert list(tmp_path.glob("ec_cpu_tier_*")) == []

@@ -96,6 +96,31 @@ class ECCPUWorker(EntryLoads, EntrySaves):
         self.region: ECSharedRegion = open_region(
             self.layout, background_reserve=not self.registers_whole_region
         )
+        self._side_channel: ReportSender | None = None
+        self._region_bytes = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._open(vllm_config)
+        except BaseException:
+            self._undo_open()
+            raise
+        logger.info(
+            "EC CPU tier worker (%s): rank %d%s, region %s",
+            type(self).__name__,
+            self.rank_info.rank,
+            " (saves)" if self.saves_here else "",
+            self.region.path,
+        )
+
+    def _undo_open(self) -> None:
+        """A constructor that raises leaves nothing open: no socket, no mapping, no file."""
+        if self._side_channel is not None:
+            self._side_channel.close()
+        self._region_bytes = torch.empty(0, dtype=torch.uint8)
+        self.region.cleanup()
+
+    def _open(self, vllm_config: VllmConfig) -> None:
+        """The constructor's part once the region is open: whatever it raises, the
+        constructor closes what it opened."""
         self._reserved_blocks = self.region.reserved_blocks
         """The watermark last read from the region (it only grows): saves below it
         pass with one compare; one beyond it re-reads it (`_unreserved_problem`)."""
@@ -114,30 +139,14 @@ class ECCPUWorker(EntryLoads, EntrySaves):
         self._failed_saves: list[tuple[int, str]] = []
         self._fallbacks: list[str] = []
         self._closed = False
-        self._side_channel: ReportSender | None = None
         peers = self.layout.settings.peers
-        try:
-            if peers is not None and report_channel.needed(
-                vllm_config, listening=peers.listen is not None
-            ):
-                self._side_channel = ReportSender(
-                    report_channel.endpoint(self.layout.path), peers.keyring()
-                )
-            self._pin_shared_region()
-        except BaseException:
-            # A constructor that raises leaves nothing open: no socket, no mapping, no file.
-            if self._side_channel is not None:
-                self._side_channel.close()
-            self._region_bytes = torch.empty(0, dtype=torch.uint8)
-            self.region.cleanup()
-            raise
-        logger.info(
-            "EC CPU tier worker (%s): rank %d%s, region %s",
-            type(self).__name__,
-            self.rank_info.rank,
-            " (saves)" if self.saves_here else "",
-            self.region.path,
-        )
+        if peers is not None and report_channel.needed(
+            vllm_config, listening=peers.listen is not None
+        ):
+            self._side_channel = ReportSender(
+                report_channel.endpoint(self.layout.path), peers.keyring()
+            )
+        self._pin_shared_region()
 
     # --------------------------------------------------------------- steps
 
