@@ -76,6 +76,26 @@ def test_s3lfu_probation_goes_first_and_a_hit_promotes() -> None:
     assert "a" in alloc and "b" not in alloc and "c" not in alloc
 
 
+def test_s3lfu_promotes_on_a_request_not_on_a_pin() -> None:
+    """vLLM looks a waiting request's item up, and the scheduler pins it, at every
+    step until the request is scheduled: the pins promote nothing; the request, once
+    it comes, does, even while the entry sits listed on probation (no pin after it)."""
+    alloc = BlockAllocator(100, S3LFUPolicy(100, small_fraction=0.2))
+    policy = alloc.policy
+    assert isinstance(policy, S3LFUPolicy)
+    for key in "abcd":
+        assert _save(alloc, key, 20)
+    for _ in range(3):
+        alloc.pin("a")
+        alloc.unpin("a")
+    assert "a" in policy._in_small and list(policy.candidates())[:4] == ["b", "c", "d", "a"]
+    alloc.note_request("a")
+    assert "a" not in policy._in_small
+    assert list(policy.candidates()) == ["b", "c", "d", "a"], "a heads main, after probation"
+    assert policy._small_blocks == 60
+    alloc.check()
+
+
 def test_s3lfu_main_keeps_the_frequent_entries() -> None:
     alloc = BlockAllocator(60, S3LFUPolicy(60, small_fraction=0.01))
     for key in ("hot", "warm", "cold"):
@@ -658,3 +678,35 @@ def test_wtinylfu_repeat_payoff_learns_from_saves_of_items_seen_before() -> None
     alloc.drop("b")  # left without a hit
     assert policy.repeat_payoff == pytest.approx(1 - policy.ema_weight)
     assert not policy._repeat_trial, "both trials ended"
+
+
+def test_wtinylfu_counts_a_hit_per_request_not_per_pin() -> None:
+    """A pin protects an entry; the hit is its request's. vLLM pins an item again at
+    each step's lookup while its request waits: those pins must not count as the
+    frequency side's hits (the guard's sample) or end a first sighting's trial; nor
+    is a request for an entry whose save has not finished a hit."""
+    policy = WTinyLFUPolicy(100)
+    alloc = BlockAllocator(100, policy)
+    policy._set_recency_mode(False)
+    assert _save(alloc, "a", 10)
+    assert "a" in policy._trial
+    for _ in range(3):
+        alloc.pin("a")
+        alloc.unpin("a")
+    assert policy._sample[2] == 0 and "a" in policy._trial
+    # (Until the shadow LRU has been full, each request starts the sample afresh:
+    # `_sample[2]` is the last request's hit.)
+    alloc.note_request("b")
+    assert alloc.alloc("b", 10) is not None  # saving: not ready
+    alloc.note_request("b")
+    assert policy._sample[2] == 0 and "b" in policy._trial
+    alloc.note_request("a")
+    assert policy._sample[2] == 10 and "a" not in policy._trial
+    alloc.mark_ready("b")
+    alloc.note_request("b")
+    assert policy._sample[2] == 10 and "b" not in policy._trial
+    alloc.pin("b")  # a load in flight
+    alloc.note_request("b")  # asked for again meanwhile: served, a hit (no new pin event)
+    assert policy._sample[2] == 10
+    alloc.unpin("b")
+    alloc.check()

@@ -102,3 +102,23 @@ def test_the_states_of_several_entries_are_read_under_one_acquisition_of_the_loc
     assert local.state_many(keys) == expected
     assert len(refreshes) == 1
     assert [local.state(key) for key in keys] == expected
+
+
+def test_a_read_granted_to_a_peer_is_a_request_to_the_policy(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """A peer's read of an entry is served from here: the policy counts it as a
+    request (a lease's pin alone is no request), and a refused lease is not one."""
+    scheduler = make_scheduler(blocks=16)
+    local = _local_entries(scheduler)
+    assert local.reserve("a", 8, WIDTH) is not None
+    assert local.landed("a")
+    sketch = scheduler.allocator.policy.sketch  # type: ignore[attr-defined]
+    seen = sketch.estimate("a")
+    assert [state for state, _, _ in local.lease_many([("a", 8, WIDTH), ("b", 8, WIDTH)])] == [
+        "ready",
+        "missing",
+    ]
+    assert sketch.estimate("a") == seen + 1 and sketch.estimate("b") == 0
+    local.release(["a"])
+    scheduler.allocator.check()

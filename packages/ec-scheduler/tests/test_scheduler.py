@@ -14,6 +14,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
 
 from ec_core.metadata import ECCPUConnectorMetadata, ECCPUWorkerMetadata, ECCPUWorkerReport
+from ec_core.scheduler_process.policy_wtinylfu import WTinyLFUPolicy
 from ec_scheduler import ECCPUScheduler
 from ec_scheduler.remote import LocalEntries
 from ectools.driving import (
@@ -495,6 +496,32 @@ def test_an_item_whose_request_waits_is_counted_and_learned_once(
     assert sketch.estimate("y") == seen + 1 and sketch.estimate("n") == 1
     stats = scheduler.stat_totals()
     assert stats["misses"] == stats["lookups"] - stats["hits"]
+
+
+def test_a_waiting_requests_lookups_are_no_hits_to_the_policy(
+    make_scheduler: SchedulerFactory,
+) -> None:
+    """Each step's lookup of a waiting request pins its ready item (a promise vLLM may
+    not take up): the default policy must not count those pins as hits (a first
+    sighting's trial paid off, the frequency side's sample), only the request once
+    vLLM schedules it."""
+    scheduler = make_scheduler(blocks=16)
+    policy = scheduler.allocator.policy
+    assert isinstance(policy, WTinyLFUPolicy)
+    policy._set_recency_mode(False)
+    _save_and_report(scheduler, Item("y"))
+    assert "y" in policy._trial, "a first sighting saved, not hit yet"
+    driver = StepDriver(scheduler)
+    waiting = make_request("r", [Item("y")])
+    for _ in range(3):
+        assert driver.step([waiting], skip_alloc=["r"]).looked_up == {"y": True}
+        assert "y" in policy._trial and policy._sample[2] == 0
+    assert "y" in driver.step([waiting]).meta.loads
+    assert "y" not in policy._trial
+    # Its load not reported yet (the entry still pinned), y is asked for again: the
+    # tier serves it, and the policy counts the hit (a pin that nests is no event).
+    assert "y" in driver.step([make_request("r2", [Item("y")])]).meta.loads
+    assert policy._sample[2] == min(policy._blocks["y"], policy._weight_cap)
 
 
 @pytest.mark.parametrize(

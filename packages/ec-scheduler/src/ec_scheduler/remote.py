@@ -211,7 +211,8 @@ class LocalEntries:
             if self.closed:
                 return [("missing", (), None)] * len(items)
             self._refresh()
-            get, stale, pin = self._allocator.get, self._is_stale, self._allocator.pin_entry
+            allocator = self._allocator
+            get, stale, pin = allocator.get, self._is_stale, allocator.pin_entry
             out: list[Leased] = []
             for key, rows, cols in items:
                 entry = get(key)
@@ -223,6 +224,7 @@ class LocalEntries:
                     out.append(("shape", (), entry.shape))
                 else:
                     pin(entry)
+                    allocator.note_request(key)  # a read served from here: a hit to the policy
                     out.append(("ready", entry.runs, entry.shape))
             return out
 

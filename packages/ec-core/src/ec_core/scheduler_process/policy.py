@@ -40,7 +40,9 @@ class EvictionPolicy(Protocol):
         """
 
     def on_request(self, key: str) -> None:
-        """Someone asked for `key` (a lookup, hit or miss)."""
+        """Someone asked for `key` (hit or miss): once per item vLLM schedules, and
+        once per read a peer is granted. A policy counts its hits here: a request for
+        a key it holds."""
 
     def admit(self, key: str, num_blocks: int) -> bool:
         """Whether a missed item of `num_blocks` should be saved at all."""
@@ -52,7 +54,9 @@ class EvictionPolicy(Protocol):
         """`key` became evictable: its save finished, or its last pin went."""
 
     def on_held(self, key: str) -> None:
-        """`key` was pinned for a load (a hit); it is not evictable until released."""
+        """`key` was pinned (a lookup's promise, a load, a peer's read); it is not
+        evictable until released. Not a request, nor a hit: vLLM looks an item up,
+        and the scheduler pins it, again at every step its request waits."""
 
     def on_removed(self, key: str) -> None:
         """`key` left the pool (evicted, discarded or dropped)."""

@@ -109,6 +109,15 @@ class S3LFUPolicy(FirstSightingGate):
     def on_request(self, key: str) -> None:
         self._history.touch(key)
         self._history.follow(len(self._blocks))
+        if key in self._in_small:
+            # A request for an entry on probation: promote it. Here, not when it is
+            # pinned: vLLM pins an entry again at each step's lookup while its
+            # request waits, and a pin is no request (`on_held`).
+            self._trial_outcome(key, paid_off=True)
+            self._in_small.discard(key)
+            self._small_blocks -= self._blocks.get(key, 0)
+            if self._small.pop(key, False) is None:  # it was evictable: main lists it now
+                self.on_evictable(key, self._blocks.get(key, 0))
 
     def admit(self, key: str, num_blocks: int) -> bool:
         if self._history.get(key) >= 2 or key in self._ghost:
@@ -136,10 +145,6 @@ class S3LFUPolicy(FirstSightingGate):
         entry = self._main_key.pop(key, None)
         if entry is not None:
             self._main.remove((*entry, key))
-        if key in self._in_small:  # a hit on probation: promote
-            self._trial_outcome(key, paid_off=True)
-            self._in_small.discard(key)
-            self._small_blocks -= self._blocks.get(key, 0)
 
     def on_removed(self, key: str) -> None:
         blocks = self._blocks.pop(key, 0)

@@ -181,6 +181,9 @@ class WTinyLFUPolicy(FirstSightingGate):
             OrderedDict() for _ in range(self.sketch.cap + 1)
         ]
         self._count: dict[str, int] = {}
+        self._saving: set[str] = set()
+        """Held keys whose save has not finished (not ready): a request for one is
+        not a hit."""
         self._bucket_blocks = [0] * len(self._buckets)
         """Blocks of the entries listed in each main bucket."""
         self._victim_parts = self._parts_in_victim_order()
@@ -261,6 +264,25 @@ class WTinyLFUPolicy(FirstSightingGate):
         if key in self._refused.sizes:
             self._refused.pop(key)
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
+        segment = self._segment.get(key)
+        if segment is not None and key not in self._saving:
+            self._hit(key, segment, sampled)
+
+    def _hit(self, key: str, segment: int, sampled: bool) -> None:
+        """A request for a key the pool holds, saved (`on_request`; `sampled`: its key
+        is in the shadows' hash sample). Counted here, where the shadows count theirs,
+        and not when the entry is pinned: a pin protects an entry, and vLLM pins one
+        again at each step's lookup while its request waits (`on_held`)."""
+        if not self.recency_mode:  # the frequency side's own hit, as the shadows weigh it
+            weight = self._shadow_blocks(self._blocks[key], sampled)
+            if weight is not None:
+                self._sample[2] += min(weight, self._weight_cap)
+        if key in self._trial:
+            self._trial_outcome(key, paid_off=True)
+        else:
+            self._repeat_outcome(key, paid_off=True)
+        if segment != _WINDOW and (self.recency_mode or segment == _OUTGOING):
+            self._move(key, _WINDOW)  # (a loser hit again was worth keeping after all)
 
     def _shadow_request(self, key: str, sampled: bool) -> None:
         """The shadows' side of a request (`sampled`: its key is in their hash sample)."""
@@ -360,6 +382,7 @@ class WTinyLFUPolicy(FirstSightingGate):
     def on_insert(self, key: str, num_blocks: int) -> None:
         if self._unsized:  # saved without asking `admit` (a forced save, an adopted entry)
             self._learn_size(key, num_blocks)
+        self._saving.add(key)
         self._segment[key] = _WINDOW
         self._blocks[key] = num_blocks
         self._bytes[_WINDOW] += num_blocks
@@ -372,6 +395,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         if segment is None:  # the allocator did not announce it: adopt it
             self.on_insert(key, num_blocks)
             segment = _WINDOW
+        self._saving.discard(key)
         if segment == _WINDOW:
             self._window[key] = None
             if self._bytes[_WINDOW] > self.window_target:
@@ -385,24 +409,14 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     def on_held(self, key: str) -> None:
         segment = self._segment.get(key)
-        if segment is None:
-            return
-        self._unlist(key, segment)
-        if not self.recency_mode:  # the frequency side's own hit, as the shadows weigh it
-            weight = self._shadow_blocks(self._blocks[key], self._in_hash_sample(key))
-            if weight is not None:
-                self._sample[2] += min(weight, self._weight_cap)
-        if key in self._trial:
-            self._trial_outcome(key, paid_off=True)
-        else:
-            self._repeat_outcome(key, paid_off=True)
-        if segment != _WINDOW and (self.recency_mode or segment == _OUTGOING):
-            self._move(key, _WINDOW)  # (a loser hit again was worth keeping after all)
+        if segment is not None:
+            self._unlist(key, segment)  # the hit was counted by its request (`_hit`)
 
     def on_removed(self, key: str) -> None:
         segment = self._segment.pop(key, None)
         if segment is None:
             return
+        self._saving.discard(key)
         self._unlist(key, segment)
         blocks = self._blocks.pop(key)
         self._bytes[segment] -= blocks
@@ -460,7 +474,8 @@ class WTinyLFUPolicy(FirstSightingGate):
         misses waiting for their sizes)."""
         shadows = self._lru.keys() | self._tiny.keys()
         trials = self._trial | self._repeat_trial
-        return set(self._segment) | self._refused.keys() | trials | shadows | self._unsized.keys()
+        held = set(self._segment) | self._saving
+        return held | self._refused.keys() | trials | shadows | self._unsized.keys()
 
     # ------------------------------------------------------- the guard
 
