@@ -35,7 +35,7 @@ def test_a_freed_load_is_withdrawn_unless_a_scheduled_request_takes_it() -> None
     plan.add_save("saved", [9], (1, 8), ((9, 1),))
     withdrawn = plan.withdraw_untaken(["saved", "gone", "kept", "gone", "absent"], {"b": 1})
     assert withdrawn == [("gone", (1, 8))], "each withdrawn once; saves are never withdrawn"
-    assert list(plan.loads) == ["kept", "other"]
+    assert list(plan.loads) == ["kept", "other"] and list(plan.takers) == ["kept", "other"]
     assert list(plan.runs) == ["kept", "other", "saved"]
 
 

@@ -110,6 +110,7 @@ class StepPlan:
             if any(request_id in scheduled for request_id in takers):
                 continue
             _, _, shape = self.loads.pop(key)
+            del self.takers[key]
             self.runs.pop(key, None)
             self.identifiers.pop(key, None)
             withdrawn.append((key, shape))
