@@ -54,7 +54,9 @@ from ec_scheduler.access_log_format import (
 logger = get_logger(__name__)
 
 BUFFER_RECORDS = 65536
-"""Records waiting for the writer at most (a few MiB)."""
+"""Records waiting for the writer at most: some 7 MiB of records, and the keys they
+keep alive (7 MiB more with vLLM's 64-character content hashes as keys; a client's
+longer multimodal UUIDs take more)."""
 WRITE_INTERVAL_S = 0.25
 """How often the writer drains the queue."""
 CLOSE_TIMEOUT_S = 10.0
