@@ -93,6 +93,10 @@ def test_s3lfu_promotes_on_a_request_not_on_a_pin() -> None:
     assert "a" not in policy._in_small
     assert list(policy.candidates()) == ["b", "c", "d", "a"], "a heads main, after probation"
     assert policy._small_blocks == 60
+    alloc.note_request("e")
+    assert alloc.alloc("e", 10) is not None  # its save under way: not ready
+    alloc.note_request("e")
+    assert "e" in policy._in_small and "e" in policy._trial, "no hit before its save is done"
     alloc.check()
 
 

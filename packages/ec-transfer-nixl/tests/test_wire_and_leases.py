@@ -26,6 +26,7 @@ from ec_transfer_nixl.wire import (
     FRESH_S,
     LAPSED,
     MAGIC,
+    MISSING,
     OK,
     Lookup,
     Release,
@@ -307,6 +308,21 @@ def test_a_producer_answers_a_claim_of_several_leases_each_under_its_own() -> No
     assert server.counters.lookups_served == 3
 
 
+def test_the_policy_hears_of_a_peers_reads_not_of_a_handle_granted_ahead() -> None:
+    """A handle pins a finished request's items before anyone asks for them: no request
+    to the policy. A claim of it, and a lookup's lease, are reads: one request each."""
+    server, allocator = _producer("a", "b", "c")
+    told: list[str] = []
+    allocator.note_request = told.append  # type: ignore[method-assign]
+    lease, _ = server.grant_handle({"a": (1, COLS), "b": (1, COLS)})
+    assert lease and told == []
+    (claimed,) = server._answer_all([_claim(["a"], [lease])])
+    assert claimed.results[0][1] == OK and told == ["a"]
+    (looked_up,) = server._answer_all([_claim(["c", "zzz"], [])])  # a lookup: no claims
+    assert [status for _, status, _ in looked_up.results] == [OK, MISSING]
+    assert told == ["a", "c"]
+
+
 def test_a_claim_that_names_no_lease_per_item_claims_nothing() -> None:
     """Claims that do not match the items claim nothing (and pin nothing)."""
     server, allocator = _producer("a", "b")
@@ -429,8 +445,8 @@ def test_a_handle_granted_while_the_server_stops_pins_nothing() -> None:
     server, _, allocator, dealer = _serving()
     take_pins = server._local.lease_many
 
-    def pins_then_server_stops(items: Any) -> Any:
-        out = take_pins(items)
+    def pins_then_server_stops(items: Any, **flags: Any) -> Any:
+        out = take_pins(items, **flags)
         assert allocator.num_held_entries == 1
         assert server.stop()  # its thread ends with release_all
         return out

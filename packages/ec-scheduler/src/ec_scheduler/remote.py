@@ -204,9 +204,13 @@ class LocalEntries:
         the shape whenever the entry is ready)."""
         return self.lease_many(((key, rows, cols),))[0]
 
-    def lease_many(self, items: Sequence[tuple[str, int, int]]) -> list[Leased]:
+    def lease_many(
+        self, items: Sequence[tuple[str, int, int]], *, reads: bool = True
+    ) -> list[Leased]:
         """`lease` for each `(key, rows, cols)`, under one acquisition of the lock (a key
-        asked twice is pinned twice)."""
+        asked twice is pinned twice). `reads`: a peer asked to read them (its lookup),
+        so each one leased is a request to the policy; False for a handle granted
+        before anyone asks, whose reads are told when a peer claims it (`note_reads`)."""
         with self._lock:
             if self.closed:
                 return [("missing", (), None)] * len(items)
@@ -224,9 +228,21 @@ class LocalEntries:
                     out.append(("shape", (), entry.shape))
                 else:
                     pin(entry)
-                    allocator.note_request(key)  # a read served from here: a hit to the policy
+                    if reads:
+                        allocator.note_request(key)  # a read served from here
                     out.append(("ready", entry.runs, entry.shape))
             return out
+
+    def note_reads(self, keys: Iterable[str]) -> None:
+        """A peer reads `keys` under a handle it claimed: each one held is a request to
+        the policy, as a lookup's lease is (`lease_many`)."""
+        with self._lock:
+            if self.closed:
+                return
+            allocator = self._allocator
+            for key in keys:
+                if key in allocator:
+                    allocator.note_request(key)
 
     def release(self, keys: Iterable[str]) -> None:
         """Give back leases taken with `lease` (one pin each)."""

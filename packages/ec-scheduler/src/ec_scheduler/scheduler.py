@@ -260,10 +260,11 @@ class ECCPUScheduler:
         it before its load is dispatched. `build_connector_meta` releases the
         promises vLLM did not take up.
 
-        Nothing is counted here, and the policy hears no request (the pin only
-        protects the entry: `EvictionPolicy.on_held`): vLLM asks again every step
-        while a request waits (for KV blocks, say), so an item is counted once, when
-        vLLM schedules it (`update_state_after_alloc`).
+        Nothing is counted here, and the policy hears no request (the pin protects
+        the entry, `EvictionPolicy.on_held`; its release refreshes the entry's
+        recency, as every release does): vLLM asks again every step while a request
+        waits (for KV blocks, say), so an item is counted once, when vLLM schedules
+        it (`update_state_after_alloc`).
         """
         # The hot methods take the lock inline rather than through `_locked`:
         # vLLM calls them once per item, and the wrapper's frame is a measurable

@@ -136,7 +136,7 @@ class PeerServer:
         leased: dict[str, int] = {}
         spans: dict[str, list[Span]] = {}
         for (key, rows, cols), (state, runs, _) in zip(
-            items, self._local.lease_many(items), strict=True
+            items, self._local.lease_many(items, reads=False), strict=True
         ):
             if state == "ready":
                 nbytes = rows * cols * self._itemsize
@@ -332,7 +332,7 @@ class PeerServer:
         by_lease.update(keys_by_lease(asked, current))
         found = self.leases.claim_many(by_lease, self._lease_s) if by_lease else {}
         results, leases = reply.results, reply.leases
-        served = 0
+        served: list[str] = []
         for key, lease in asked.items():
             spans = found[lease].get(key) if lease in found else None
             if spans is None:
@@ -341,5 +341,7 @@ class PeerServer:
             else:
                 results.append((key, OK, spans))
                 leases.append(lease)
-                served += 1
-        self.counters.lookups_served += served
+                served.append(key)
+        self.counters.lookups_served += len(served)
+        if served:
+            self._local.note_reads(served)

@@ -40,9 +40,10 @@ class EvictionPolicy(Protocol):
         """
 
     def on_request(self, key: str) -> None:
-        """Someone asked for `key` (hit or miss): once per item vLLM schedules, and
-        once per read a peer is granted. A policy counts its hits here: a request for
-        a key it holds."""
+        """Someone asked for `key` (hit or miss): on a consumer once per item vLLM
+        schedules (a key once per step), on an engine that only produces once per
+        save, and once per read a peer makes. A policy counts its hits here: a
+        request for a key it holds whose save has finished."""
 
     def admit(self, key: str, num_blocks: int) -> bool:
         """Whether a missed item of `num_blocks` should be saved at all."""

@@ -48,18 +48,19 @@ class S3LFUPolicy(FirstSightingGate):
     * **Probation.** A saved item first enters probation (`small`, FIFO),
       unless it is one of the last `ghost_entries` items that left probation
       without a hit (the **ghost** list): then it goes straight to main — it
-      came back right after being dropped. A hit on a probationary entry
-      promotes it to main. Victims come from probation, oldest first, while it
-      holds more than `small_fraction` of the pool; otherwise from main. (A
-      short ghost list measured best: a long one lets lukewarm items displace
-      main entries on Zipf traffic.)
+      came back right after being dropped. A request for a probationary entry
+      whose save has finished (a hit) promotes it to main. Victims come from
+      probation, oldest first, while it holds more than `small_fraction` of the
+      pool; otherwise from main. (A short ghost list measured best: a long one
+      lets lukewarm items displace main entries on Zipf traffic.)
     * **Main** evicts by LFU with dynamic aging: priority = L + recent request
       count, where L is the priority of the last main entry evicted, so entries
       popular long ago age out and recurring ones stay.
     * **Adaptive admission.** An item seen before (or in the ghost list) is
       always saved. A first sighting is saved while first sightings have been
       paying off: the policy tracks, as a moving average, how often an entry
-      saved at its first sighting was hit before leaving probation. When that
+      saved at its first sighting was asked for again, saved, before leaving
+      probation. When that
       falls below `admit_threshold` (a workload full of one-off images) only
       one first sighting in `probe_every` is saved — enough to notice when the
       workload changes — and the rest are never written, so they cannot push
@@ -93,6 +94,8 @@ class S3LFUPolicy(FirstSightingGate):
         """Moving average of "a first-sighting save was hit while on probation"."""
         self._blocks: dict[str, int] = {}
         self._in_small: set[str] = set()
+        self._saving: set[str] = set()
+        """Keys whose save has not finished (not ready): a request for one is no hit."""
         self._small_blocks = 0
         self._small: OrderedDict[str, None] = OrderedDict()  # evictable probationary keys
         self._main: SortedList = SortedList()  # (priority, seq, key) of evictable main keys
@@ -109,8 +112,8 @@ class S3LFUPolicy(FirstSightingGate):
     def on_request(self, key: str) -> None:
         self._history.touch(key)
         self._history.follow(len(self._blocks))
-        if key in self._in_small:
-            # A request for an entry on probation: promote it. Here, not when it is
+        if key in self._in_small and key not in self._saving:
+            # A hit on an entry on probation: promote it. Here, not when it is
             # pinned: vLLM pins an entry again at each step's lookup while its
             # request waits, and a pin is no request (`on_held`).
             self._trial_outcome(key, paid_off=True)
@@ -125,6 +128,7 @@ class S3LFUPolicy(FirstSightingGate):
         return self._let_first_sighting_in(key)
 
     def on_insert(self, key: str, num_blocks: int) -> None:
+        self._saving.add(key)
         self._blocks[key] = num_blocks
         if key in self._ghost:
             del self._ghost[key]  # it recurred soon after leaving probation: main
@@ -133,6 +137,7 @@ class S3LFUPolicy(FirstSightingGate):
             self._small_blocks += num_blocks
 
     def on_evictable(self, key: str, num_blocks: int) -> None:
+        self._saving.discard(key)
         if key in self._in_small:
             self._small[key] = None
         else:
@@ -147,6 +152,7 @@ class S3LFUPolicy(FirstSightingGate):
             self._main.remove((*entry, key))
 
     def on_removed(self, key: str) -> None:
+        self._saving.discard(key)
         blocks = self._blocks.pop(key, 0)
         self._trial_outcome(key, paid_off=False)
         self._small.pop(key, None)

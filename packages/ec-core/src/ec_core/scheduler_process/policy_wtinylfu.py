@@ -266,14 +266,16 @@ class WTinyLFUPolicy(FirstSightingGate):
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
         segment = self._segment.get(key)
         if segment is not None and key not in self._saving:
-            self._hit(key, segment, sampled)
+            self._hit(key, segment)
 
-    def _hit(self, key: str, segment: int, sampled: bool) -> None:
-        """A request for a key the pool holds, saved (`on_request`; `sampled`: its key
-        is in the shadows' hash sample). Counted here, where the shadows count theirs,
-        and not when the entry is pinned: a pin protects an entry, and vLLM pins one
-        again at each step's lookup while its request waits (`on_held`)."""
+    def _hit(self, key: str, segment: int) -> None:
+        """A request for a key the pool holds, saved (`on_request`, after the shadows'
+        part, which may have thinned them: the hash sample is read anew). Counted
+        here, where the shadows count theirs, and not when the entry is pinned: a pin
+        protects an entry, and vLLM pins one again at each step's lookup while its
+        request waits (`on_held`)."""
         if not self.recency_mode:  # the frequency side's own hit, as the shadows weigh it
+            sampled = not self._last_hash & self._shadow_mask
             weight = self._shadow_blocks(self._blocks[key], sampled)
             if weight is not None:
                 self._sample[2] += min(weight, self._weight_cap)
