@@ -251,13 +251,17 @@ def test_drops_a_held_back_warning_missed_are_told_at_close(
     the total."""
     path = tmp_path / "drops.log"
     log = _quiet_log(path, buffer_records=4)
-    log._warn = RateLimitedWarnings(access_log.logger, clock=lambda: 0.0).warn
+    limiter = RateLimitedWarnings(access_log.logger, clock=lambda: 0.0)
+    log._warn = limiter.warn
     for round_ in range(2):
         for n in range(10):
             log.record(f"key-{round_}-{n}", 1, 512)
         log._drain()  # the writer's pass (its own thread waits for `close`)
     assert log.dropped == 12
     assert "6 records dropped" in ec_log.text and "12 records dropped" not in ec_log.text
+    for _ in range(5):
+        log._drain()  # passes that drop nothing more hold back no more warnings
+    assert limiter._held == {"dropped": 1}
     log.close()
     assert "lacks 12 records in all" in ec_log.text
     read = read_log(path)

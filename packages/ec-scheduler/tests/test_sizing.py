@@ -219,8 +219,8 @@ def test_the_command_says_when_the_log_lacks_records(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "a.log"
-    log = AccessLog(path, 1 << 20, block_bytes=BLOCK, buffer_records=50)
-    for key in _trace(requests=80).keys:
+    log = AccessLog(path, 1 << 20, block_bytes=BLOCK, buffer_records=50, interval_s=3600.0)
+    for key in _trace(requests=80).keys:  # (the writer drains only when closed)
         log.record(key, 2, BLOCK)
     log.close()
     assert log.dropped == 30

@@ -54,7 +54,7 @@ from ec_scheduler.access_log_format import (
 logger = get_logger(__name__)
 
 BUFFER_RECORDS = 65536
-"""Records waiting for the writer at most: some 7 MiB of records, and the keys they
+"""Records waiting for the writer at most: some 8-10 MiB of records, and the keys they
 keep alive (7 MiB more with vLLM's 64-character content hashes as keys; a client's
 longer multimodal UUIDs take more)."""
 WRITE_INTERVAL_S = 0.25
@@ -143,7 +143,10 @@ class AccessLog:
         self._size = len(header)
         self._warn = RateLimitedWarnings(logger).warn
         self._reported_drops = 0
-        """The drop count the last warning gave."""
+        """The drop count the last warning logged gave."""
+        self._warned_drops = 0
+        """The drop count last handed to the rate-limited warning (logged or held back:
+        it is handed a count once, so its held-back tally counts growths, not drains)."""
         self._written_drops = 0
         """The drop count the file last gave."""
         self._stop = threading.Event()
@@ -200,14 +203,16 @@ class AccessLog:
         """Write what is queued, and the drop count if it grew (the writer thread
         only: its last pass runs once `close` has set the stop flag)."""
         dropped = self.dropped
-        if dropped > self._reported_drops and self._warn(
-            "dropped",
-            "EC CPU tier: the access log's queue was full; %d records dropped so far "
-            "(the log is incomplete: its writer cannot keep up with %s)",
-            dropped,
-            self.path,
-        ):
-            self._reported_drops = dropped
+        if dropped > self._warned_drops:
+            self._warned_drops = dropped
+            if self._warn(
+                "dropped",
+                "EC CPU tier: the access log's queue was full; %d records dropped so far "
+                "(the log is incomplete: its writer cannot keep up with %s)",
+                dropped,
+                self.path,
+            ):
+                self._reported_drops = dropped
         queue = self._queue
         if not self.on or not (queue or dropped > self._written_drops):
             return
