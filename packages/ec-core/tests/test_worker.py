@@ -392,6 +392,20 @@ def test_a_save_never_produced_is_reported_failed(worker: HostBackend) -> None:
     assert worker.submits == []
 
 
+def test_a_step_that_skipped_get_finished_still_reports_its_saves_never_produced(
+    worker: HostBackend,
+) -> None:
+    """vLLM skips `get_finished` when `start_load_caches` raises: the next step's
+    `bind` ends the previous one, and its saves never produced are reported failed
+    (their blocks come back at once, not after the report timeout)."""
+    first = ECCPUConnectorMetadata(saves={"lost": [0]}, save_shapes={"lost": (1, WIDTH)}, step=3)
+    worker.bind(first)  # the step fails before any save_caches and get_finished
+    worker.bind(ECCPUConnectorMetadata(step=4))
+    worker.get_finished()
+    report = worker.build_connector_worker_meta()
+    assert report.failed_saves == [(0, 3, "lost")]
+
+
 def test_non_save_rank_loads_but_never_saves(config_factory: Any) -> None:
     config = config_factory()  # one engine: both ranks share its config and region
     rank0 = HostBackend(config, rank_info=RankInfo(rank=0, is_save_rank=True))

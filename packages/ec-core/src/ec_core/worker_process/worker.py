@@ -151,9 +151,12 @@ class ECCPUWorker(EntryLoads, EntrySaves):
     # --------------------------------------------------------------- steps
 
     def bind(self, metadata: ECCPUConnectorMetadata) -> None:
-        """A step starts: remember its number and the saves it owes."""
-        if self._pending_saves:
-            self.flush_saves()  # get_finished did not run for the previous step
+        """A step starts: remember its number and the saves it owes. If the previous
+        step did not end in `get_finished` (vLLM skips it when `start_load_caches`
+        raises), it is ended here, as `get_finished` would: its saves submitted, those
+        never produced reported failed."""
+        if self._pending_saves or self._bound_saves:
+            self.get_finished()
         self._step = max(self._step, metadata.step)
         self._bound_saves = metadata.saves
         if self._queued:
