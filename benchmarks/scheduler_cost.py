@@ -241,7 +241,7 @@ class _Playback:
     def stats(self) -> dict[str, float]:
         return {}
 
-    def on_request(self, key: str) -> None:
+    def on_request(self, key: str, held: bool) -> None:
         pass
 
     def on_insert(self, key: str, num_blocks: int) -> None:

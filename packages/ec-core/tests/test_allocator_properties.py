@@ -213,8 +213,6 @@ class Harness:
         assert ghosts.blocks == sum(ghosts.sizes.values())
         assert ghosts.blocks <= ghosts.max_blocks and len(ghosts) <= ghosts.max_entries
         assert policy._trial <= keys, "a trial outlived its entry"
-        unready = {k for k, (_, ready, _) in self.model.items() if not ready}
-        assert policy._saving == unready, "a save in flight, and only those, is no hit"
         sketch = policy.sketch
         assert len(sketch.counters) == sketch.depth * sketch.width
         assert sketch.width <= sketch.max_width

@@ -155,7 +155,7 @@ def test_s3lfu_keeps_saving_first_sightings_that_recur_soon() -> None:
 def test_policy_histories_stay_bounded() -> None:
     policy = S3LFUPolicy(10)
     for i in range(200_000):
-        policy.on_request(f"k{i}")
+        policy.on_request(f"k{i}", False)
     assert len(policy._history.counts) <= policy._history.limit
 
 
@@ -534,10 +534,10 @@ def test_wtinylfu_one_huge_item_weighs_at_most_its_share_in_the_guard() -> None:
     for key in small:
         policy._lru.order[key] = 10  # held by the shadow LRU only
     policy._lru.used = 300
-    policy.on_request("big")
+    policy.on_request("big", False)
     assert policy._sample == [100, 0, 100], "the big hit counts 800 / 8 blocks"
     for key in small:
-        policy.on_request(key)
+        policy.on_request(key, False)
     assert policy._samples == policy.guard_warmup + 1, "the sample ended"
     assert policy.recency_mode and policy.guard_score == pytest.approx(0.5)
 
@@ -623,7 +623,7 @@ def test_wtinylfu_misses_waiting_for_their_sizes_follow_the_shadows_thinning() -
 def test_wtinylfu_a_miss_asked_for_again_waits_as_the_newest() -> None:
     policy = WTinyLFUPolicy(100_000)
     for key in ("a", "b", "a"):
-        policy.on_request(key)
+        policy.on_request(key, False)
     assert list(policy._unsized) == ["b", "a"]
 
 

@@ -117,8 +117,6 @@ class DefaultPolicyMachine(RuleBasedStateMachine):
         ghosts = policy._refused
         assert ghosts.blocks <= ghosts.max_blocks and len(ghosts) <= ghosts.max_entries
         assert policy._trial <= set(self.model), "a trial outlived its entry"
-        unready = {k for k, (_, ready, _) in self.model.items() if not ready}
-        assert policy._saving == unready, "a save in flight, and only those, is no hit"
         assert len(policy.sketch.counters) == policy.sketch.depth * policy.sketch.width
         lru, tiny = policy._lru, policy._tiny
         assert lru.used == sum(lru.order.values()) <= policy.capacity
@@ -377,7 +375,6 @@ def test_policy_state_stays_bounded_over_many_keys() -> None:
     assert policy._trial <= {e.key for e in alloc}
     alloc.clear()
     assert not policy._segment and not policy._blocks and not list(policy.candidates())
-    assert not policy._saving
 
 
 def _policy_lines(policy: WTinyLFUPolicy, alloc: BlockAllocator, keys: list[str]) -> int:

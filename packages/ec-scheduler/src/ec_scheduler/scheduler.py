@@ -384,7 +384,9 @@ class ECCPUScheduler:
             if self.is_consumer:
                 counters = self.counters
                 counters.lookups += 1
-                self.allocator.policy.on_request(key)  # `note_request`
+                allocator = self.allocator
+                entry = allocator.get(key)  # `note_request`, inline: the hot path
+                allocator.policy.on_request(key, entry is not None and entry.ready)
                 access_log = self.access_log
                 if access_log is not None:
                     rows = num_embeds(feature.mm_position)

@@ -185,8 +185,10 @@ class BlockAllocator:
     # --------------------------------------------------------- transitions
 
     def note_request(self, key: str) -> None:
-        """Tell the policy someone asked for `key` (feeds its popularity history)."""
-        self.policy.on_request(key)
+        """Tell the policy someone asked for `key` (feeds its popularity history), and
+        whether a ready entry of it is here (a hit)."""
+        entry = self._entries.get(key)
+        self.policy.on_request(key, entry is not None and entry.ready)
 
     def alloc(
         self, key: str, n: int, shape: tuple[int, int] | None = None, *, force: bool = False

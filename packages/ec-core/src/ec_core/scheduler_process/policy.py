@@ -39,11 +39,12 @@ class EvictionPolicy(Protocol):
         their rank in the order, to keep the new entry in one run.
         """
 
-    def on_request(self, key: str) -> None:
-        """Someone asked for `key` (hit or miss): on a consumer once per item vLLM
-        schedules (a key once per step), on an engine that only produces once per
-        save, and once per read a peer makes. A policy counts its hits here: a
-        request for a key it holds whose save has finished."""
+    def on_request(self, key: str, held: bool) -> None:
+        """Someone asked for `key`: on a consumer once per item vLLM schedules (a key
+        once per step), on an engine that only produces once per save, and once per
+        read a peer makes. `held`: the pool holds a ready entry of `key` (its save
+        has finished), which makes the request a hit; a policy counts its hits
+        here, not when an entry is pinned (`on_held`)."""
 
     def admit(self, key: str, num_blocks: int) -> bool:
         """Whether a missed item of `num_blocks` should be saved at all."""

@@ -27,7 +27,7 @@ class LRUPolicy:
     def __len__(self) -> int:
         return len(self._order)
 
-    def on_request(self, key: str) -> None:
+    def on_request(self, key: str, held: bool) -> None:
         return None
 
     def admit(self, key: str, num_blocks: int) -> bool:

@@ -60,8 +60,8 @@ class S3LFUPolicy(FirstSightingGate):
       always saved. A first sighting is saved while first sightings have been
       paying off: the policy tracks, as a moving average, how often an entry
       saved at its first sighting was asked for again, saved, before leaving
-      probation. When that
-      falls below `admit_threshold` (a workload full of one-off images) only
+      probation. When that falls below `admit_threshold` (a workload full of
+      one-off images) only
       one first sighting in `probe_every` is saved — enough to notice when the
       workload changes — and the rest are never written, so they cannot push
       anything out. When first sightings recur (chat turns re-send recent
@@ -94,8 +94,6 @@ class S3LFUPolicy(FirstSightingGate):
         """Moving average of "a first-sighting save was hit while on probation"."""
         self._blocks: dict[str, int] = {}
         self._in_small: set[str] = set()
-        self._saving: set[str] = set()
-        """Keys whose save has not finished (not ready): a request for one is no hit."""
         self._small_blocks = 0
         self._small: OrderedDict[str, None] = OrderedDict()  # evictable probationary keys
         self._main: SortedList = SortedList()  # (priority, seq, key) of evictable main keys
@@ -109,10 +107,10 @@ class S3LFUPolicy(FirstSightingGate):
 
     # ----------------------------------------------------------- events
 
-    def on_request(self, key: str) -> None:
+    def on_request(self, key: str, held: bool) -> None:
         self._history.touch(key)
         self._history.follow(len(self._blocks))
-        if key in self._in_small and key not in self._saving:
+        if held and key in self._in_small:
             # A hit on an entry on probation: promote it. Here, not when it is
             # pinned: vLLM pins an entry again at each step's lookup while its
             # request waits, and a pin is no request (`on_held`).
@@ -128,7 +126,6 @@ class S3LFUPolicy(FirstSightingGate):
         return self._let_first_sighting_in(key)
 
     def on_insert(self, key: str, num_blocks: int) -> None:
-        self._saving.add(key)
         self._blocks[key] = num_blocks
         if key in self._ghost:
             del self._ghost[key]  # it recurred soon after leaving probation: main
@@ -137,7 +134,6 @@ class S3LFUPolicy(FirstSightingGate):
             self._small_blocks += num_blocks
 
     def on_evictable(self, key: str, num_blocks: int) -> None:
-        self._saving.discard(key)
         if key in self._in_small:
             self._small[key] = None
         else:
@@ -152,7 +148,6 @@ class S3LFUPolicy(FirstSightingGate):
             self._main.remove((*entry, key))
 
     def on_removed(self, key: str) -> None:
-        self._saving.discard(key)
         blocks = self._blocks.pop(key, 0)
         self._trial_outcome(key, paid_off=False)
         self._small.pop(key, None)

@@ -181,9 +181,6 @@ class WTinyLFUPolicy(FirstSightingGate):
             OrderedDict() for _ in range(self.sketch.cap + 1)
         ]
         self._count: dict[str, int] = {}
-        self._saving: set[str] = set()
-        """Held keys whose save has not finished (not ready): a request for one is
-        not a hit."""
         self._bucket_blocks = [0] * len(self._buckets)
         """Blocks of the entries listed in each main bucket."""
         self._victim_parts = self._parts_in_victim_order()
@@ -241,7 +238,7 @@ class WTinyLFUPolicy(FirstSightingGate):
 
     # ----------------------------------------------------------- events
 
-    def on_request(self, key: str) -> None:
+    def on_request(self, key: str, held: bool) -> None:
         # The hot path (every lookup): one CRC-32, no allocation, lookups inlined.
         digest = zlib.crc32(key.encode())
         self._last_key = key
@@ -264,12 +261,13 @@ class WTinyLFUPolicy(FirstSightingGate):
         if key in self._refused.sizes:
             self._refused.pop(key)
             self._payoff(True)  # a refused first sighting came back soon: saving it would pay
-        segment = self._segment.get(key)
-        if segment is not None and key not in self._saving:
-            self._hit(key, segment)
+        if held:
+            segment = self._segment.get(key)
+            if segment is not None:
+                self._hit(key, segment)
 
     def _hit(self, key: str, segment: int) -> None:
-        """A request for a key the pool holds, saved (`on_request`, after the shadows'
+        """A request for a key the pool holds ready (`on_request`, after the shadows'
         part, which may have thinned them: the hash sample is read anew). Counted
         here, where the shadows count theirs, and not when the entry is pinned: a pin
         protects an entry, and vLLM pins one again at each step's lookup while its
@@ -384,7 +382,6 @@ class WTinyLFUPolicy(FirstSightingGate):
     def on_insert(self, key: str, num_blocks: int) -> None:
         if self._unsized:  # saved without asking `admit` (a forced save, an adopted entry)
             self._learn_size(key, num_blocks)
-        self._saving.add(key)
         self._segment[key] = _WINDOW
         self._blocks[key] = num_blocks
         self._bytes[_WINDOW] += num_blocks
@@ -397,7 +394,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         if segment is None:  # the allocator did not announce it: adopt it
             self.on_insert(key, num_blocks)
             segment = _WINDOW
-        self._saving.discard(key)
         if segment == _WINDOW:
             self._window[key] = None
             if self._bytes[_WINDOW] > self.window_target:
@@ -418,7 +414,6 @@ class WTinyLFUPolicy(FirstSightingGate):
         segment = self._segment.pop(key, None)
         if segment is None:
             return
-        self._saving.discard(key)
         self._unlist(key, segment)
         blocks = self._blocks.pop(key)
         self._bytes[segment] -= blocks
@@ -476,8 +471,7 @@ class WTinyLFUPolicy(FirstSightingGate):
         misses waiting for their sizes)."""
         shadows = self._lru.keys() | self._tiny.keys()
         trials = self._trial | self._repeat_trial
-        held = set(self._segment) | self._saving
-        return held | self._refused.keys() | trials | shadows | self._unsized.keys()
+        return set(self._segment) | self._refused.keys() | trials | shadows | self._unsized.keys()
 
     # ------------------------------------------------------- the guard
 
