@@ -214,13 +214,13 @@ class AccessLog:
             ):
                 self._reported_drops = dropped
         queue = self._queue
-        if not self.on or not (queue or dropped > self._written_drops):
+        says_drops = dropped > self._written_drops
+        if not self.on or not (queue or says_drops):
             return
         lines: list[bytes] = []
         size = self._size
         start = self._start
         full = False
-        says_drops = dropped > self._written_drops
         if says_drops:
             line = dropped_line(dropped).encode()
             if size + len(line) > self.max_bytes:
